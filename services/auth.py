@@ -224,14 +224,14 @@ class Authenticator(KnownKeys, CheckLimits):
         tenant's key; a malformed reply aborts the call INTERNAL (``scheduler_replies``).
         Regression (s38): a reply that was not a tenant record was cached as one, and the call
         (and every call with the key for ``_CACHE_TTL_S``) failed UNKNOWN."""
-        reply = await self.scheduler.authenticate.remote(key, **kwargs)
+        reply = await self.scheduler.authenticate.remote(api_key=key, **kwargs)
         return await replies.answer(context, "authenticate", reply, replies.tenant_or_none)
 
     async def _verify_admin_key(self, context: grpc.aio.ServicerContext, key: str, **kwargs: Any) -> bool:
         """The scheduler's ``verify_admin_key(key, **kwargs)``, a bool; any other reply aborts the
         call INTERNAL. Regression (s38): its truth was taken, so a reply of ``"False"`` or ``1``
         (a version skew, a bug) passed any key as the admin key."""
-        reply = await self.scheduler.verify_admin_key.remote(key, **kwargs)
+        reply = await self.scheduler.verify_admin_key.remote(key=key, **kwargs)
         return await replies.answer(context, "verify_admin_key", reply, replies.verdict)
 
     async def _is_tenant_key(self, context: grpc.aio.ServicerContext, key: str, allow_pbkdf2: bool) -> bool:

@@ -205,7 +205,7 @@ class BlockReporter:
 
     def _call(self, holder: str, events: list[Event], reset: bool) -> int:
         """One ``report_events`` call; returns how many events it applied. Raises on failure."""
-        return ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
+        return ray.get(self._handle.report_events.remote(holder_id=holder, events=events, reset=reset), timeout=self.timeout_s)
 
     def _send(self, holder: str, events: list[Event], reset: bool) -> None:
         if self._handle is None:

@@ -415,7 +415,7 @@ class CacheNodeActor(CacheNode):
             self.serve_metrics(metrics, _previous_metrics_port(handle, node_id) if self._restarts else 0)
             # (sent until a scheduler of the name answers: one missing now learns it once it is back)
             if self._tells is not None and metrics.port == 0 and self.metrics_server is not None:
-                self._tells.tell("record_metrics_port", node_id, self.metrics_server.port)
+                self._tells.tell("record_metrics_port", {"node_id": node_id, "port": self.metrics_server.port})
         if self._scheduler is not None:
             self.session_sink = self._sessions_ended
 
@@ -432,14 +432,14 @@ class CacheNodeActor(CacheNode):
         rebuilt for such a session stayed until ``session_ttl_s``, its next turn sent here, to
         a node without it."""
         assert self._tells is not None
-        self._tells.tell("sessions_ended", node_id, list(session_ids), merge=_join_sessions, check=self._not_held)
+        self._tells.tell("sessions_ended", {"node_id": node_id, "session_ids": list(session_ids)},
+                         merge=_join_sessions, check=self._not_held)
 
-    def _not_held(self, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _not_held(self, args: dict[str, Any]) -> dict[str, Any] | None:
         """``sessions_ended``'s arguments less the sessions this node holds now (None: none left)."""
-        node_id, session_ids = args
         with self.engine._lock:  # (the step thread opens and ends sessions under it)
-            left = [sid for sid in session_ids if sid not in self.engine.sessions.sessions]
-        return (node_id, left) if left else None
+            left = [sid for sid in args["session_ids"] if sid not in self.engine.sessions.sessions]
+        return {**args, "session_ids": left} if left else None
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -481,15 +481,15 @@ MAX_UNTOLD_SESSIONS = 1 << 16
 dropped (logged): their routes, if any, last ``session_ttl_s`` at most (``expire_unconfirmed``)."""
 
 
-def _join_sessions(older: tuple[Any, ...], newer: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Two ``sessions_ended`` messages as one: the sessions of both, oldest first, at most
-    ``MAX_UNTOLD_SESSIONS`` (the newest)."""
-    joined = list(dict.fromkeys([*older[1], *newer[1]]))
+def _join_sessions(older: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
+    """Two ``sessions_ended`` messages (arguments by name) as one: the sessions of both, oldest
+    first, at most ``MAX_UNTOLD_SESSIONS`` (the newest)."""
+    joined = list(dict.fromkeys([*older["session_ids"], *newer["session_ids"]]))
     if len(joined) > MAX_UNTOLD_SESSIONS:
         log.warning("cache node %s: %d expired sessions never told to the global scheduler (dropped)",
-                    newer[0], len(joined) - MAX_UNTOLD_SESSIONS)
+                    newer["node_id"], len(joined) - MAX_UNTOLD_SESSIONS)
         joined = joined[-MAX_UNTOLD_SESSIONS:]
-    return newer[0], joined
+    return {**newer, "session_ids": joined}
 
 
 def _previous_metrics_port(scheduler: Any, node_id: str) -> int:
@@ -498,7 +498,7 @@ def _previous_metrics_port(scheduler: Any, node_id: str) -> int:
     if not scheduler:
         return 0
     try:
-        return int(ray.get(scheduler.metrics_port_of.remote(node_id), timeout=5.0))
+        return int(ray.get(scheduler.metrics_port_of.remote(node_id=node_id), timeout=5.0))
     except Exception as exc:  # noqa: BLE001 - any free port then
         log.warning("cache node %s: the port of its last /metrics is unknown: %s", node_id, exc)
         return 0

@@ -393,7 +393,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             nonlocal released
             if not released:
                 released = True
-                self.scheduler.release.remote(req.request_id, ended)
+                self.scheduler.release.remote(request_id=req.request_id, usage=ended)
 
         def on_event(event: dict[str, Any]) -> None:  # as it arrives (``NodeStreams.open``)
             seen.observe(event)
@@ -490,11 +490,11 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         except Exception:  # noqa: BLE001 - admitted late, maybe: it must not run unseen
             for node_id in self.streams.node_inboxes:
                 self.streams.abort(node_id, request_id)
-            self.scheduler.release.remote(request_id, seen.usage())
+            self.scheduler.release.remote(request_id=request_id, usage=seen.usage())
             return
         if adm.code == "OK":
             self.streams.abort(adm.node_id, request_id)
-            self.scheduler.release.remote(request_id, seen.usage())
+            self.scheduler.release.remote(request_id=request_id, usage=seen.usage())
 
     async def CloseSession(self, request, context):
         """Close the caller's session ``session_id`` under ``cache_salt`` (``close_session``)."""
@@ -518,7 +518,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         scheduler had dropped the session (the client's retry: NOT_FOUND), one below -1 was
         NOT_FOUND for a session that was closed, and ``"5"`` or ``5.9`` counted as 5."""
         try:
-            closing = asyncio.ensure_future(self.nodes[node_id].close_session.remote(scoped, tenant_id, turns))
+            closing = asyncio.ensure_future(self.nodes[node_id].close_session.remote(session_id=scoped, tenant=tenant_id, turns=turns))
             # (once more when this gateway's own loop stalled meanwhile: ``services.loop_lag``)
             answer = (await wait_past_stall(closing, NODE_CLOSE_TIMEOUT_S, running_lag(), NODE_CLOSE_TIMEOUT_S))[0]
         except Exception as exc:  # noqa: BLE001 - a failed, dead or slow node frees nothing now
@@ -562,8 +562,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         ``ValueError``) and a non-list of turns went on to the node."""
         scoped = session_scope(tenant.tenant_id, cache_salt, session_id)
         try:  # the key's id goes with it: one rotated away since it was cached here closes nothing
-            closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id,
-                                                                parse_key_id(bearer_key(context)) or "")
+            closing = await self.scheduler.close_session.remote(session_id=scoped, tenant_id=tenant.tenant_id,
+                                                                key_id=parse_key_id(bearer_key(context)) or "")
         except StaleKeyError as exc:  # (review s35 C, C1: it closed the tenant's sessions for 10 s)
             self.auth.forget_tenant_id(tenant.tenant_id)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, error_message(exc))

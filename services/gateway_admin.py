@@ -157,7 +157,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
     async def RegisterTenant(self, request, context):
         await fresh_admin(self.auth, context)
         spec = await self._spec(request.spec, context)
-        tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec), check=replies.registered,
+        tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec=spec), check=replies.registered,
                                   method="register_tenant")
         return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
 
@@ -171,7 +171,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
             wire.CopyFrom(request.spec)
             wire.name = request.name
         spec = await self._spec(wire, context)
-        tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec), check=replies.tenant,
+        tenant = await _call(context, self.scheduler.update_tenant.remote(name=request.name, spec=spec), check=replies.tenant,
                              method="update_tenant")
         self.auth.forget_tenant(request.name)
         return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))
@@ -187,7 +187,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         between (another admin call) had the new tenant deleted and the old one's id forgotten:
         the new tenant's series stayed exported."""
         await fresh_admin(self.auth, context)
-        tenant_id = await _call(context, self.scheduler.delete_tenant.remote(request.name), check=replies.text,
+        tenant_id = await _call(context, self.scheduler.delete_tenant.remote(name=request.name), check=replies.text,
                                 method="delete_tenant")
         self.auth.forget_tenant(request.name, keys_gone=True)
         if self.metrics is not None:
@@ -215,9 +215,9 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         (else UNAUTHENTICATED: the caller's tenant was deleted meanwhile, and its key goes from
         this gateway's cache)."""
         if caller is None:
-            return await _call(context, self.scheduler.get_tenant.remote(name), check=replies.tenant,
+            return await _call(context, self.scheduler.get_tenant.remote(name=name), check=replies.tenant,
                                method="get_tenant")
-        return await _call(context, self.scheduler.get_tenant.remote(name, tenant_id=caller.tenant_id),
+        return await _call(context, self.scheduler.get_tenant.remote(name=name, tenant_id=caller.tenant_id),
                            stale=lambda: self.auth.forget_tenant_id(caller.tenant_id), check=replies.tenant,
                            method="get_tenant")
 
@@ -252,9 +252,9 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         node that does not answer (``_blocks_held``)."""
         caller = await self._own_or_admin(context, request.name)
         tenant = await self._tenant_of(context, request.name, caller)
-        usage = await _call(context, self.scheduler.usage_of.remote(tenant.tenant_id), check=replies.usage,
+        usage = await _call(context, self.scheduler.usage_of.remote(tenant_id=tenant.tenant_id), check=replies.usage,
                             method="usage_of")
-        answers = await ask_live(self.nodes, self.monitor, lambda n: n.tenant_blocks.remote(tenant.tenant_id),
+        answers = await ask_live(self.nodes, self.monitor, lambda n: n.tenant_blocks.remote(tenant=tenant.tenant_id),
                                  self.node_timeout_s)
         held = [counts for a in answers.values() if (counts := _blocks_held(a)) is not None]
         requests = sum(r for r, _ in held)
@@ -291,7 +291,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         caller = await self._own_or_admin(context, request.name)
         key = bearer_key(context) if caller is not None else None
         stale = (lambda: self.auth.forget_key(key)) if key is not None else None
-        reply = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, api_key=key), stale)
+        reply = await _call(context, self.scheduler.rotate_tenant_key.remote(name=request.name, api_key=key), stale)
         try:  # a malformed reply came after the rotation: it says whether, and how to recover
             new_key = await rotation_replies.new_key(context, self.scheduler, "rotate_tenant_key", reply, key,
                                                      rotation_replies.TENANT_RECOVERY.format(name=request.name))
@@ -509,7 +509,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         await fresh_admin(self.auth, context)
         skipped = self._held_down()  # before asking: what ask_live leaves out (review 29o F3)
         spill_s = spill_timeout_s(self.node_timeout_s)  # ends before ours on the node: it names the spill node
-        answers = await self._ask_live(lambda n: n.flush_by_tier.remote(spill_s))
+        answers = await self._ask_live(lambda n: n.flush_by_tier.remote(spill_timeout_s=spill_s))
         counts = [c for a in answers.values() if (c := _flush_counts(a)) is not None]
         freed = {kind: _capped(sum(c[kind] for c in counts)) for kind in FLUSH_KINDS}
         await self.scheduler.flush_index.remote()
@@ -536,7 +536,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
         skipped = self._held_down()
         drain_id = uuid.uuid4().hex
-        asking = asyncio.ensure_future(self._ask_live(lambda n: n.drain.remote(timeout_s, drain_id),
+        asking = asyncio.ensure_future(self._ask_live(lambda n: n.drain.remote(timeout_s=timeout_s, drain_id=drain_id),
                                                       extra_s=timeout_s))
         try:
             answers = await self._while_admin(context, asking)
@@ -545,7 +545,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 asking.cancel()
                 for name, node in self.nodes.items():
                     try:  # not awaited: a node that does not answer aborts at its end
-                        node.cancel_drain.remote(drain_id)
+                        node.cancel_drain.remote(drain_id=drain_id)
                     except AttributeError:  # a node without cancel_drain (an older one): its drain runs to
                         # its end, and the call's own error is not masked by this one (s37 CI)
                         log.warning("cache node %s has no cancel_drain (an older version): its drain runs to its "

@@ -248,7 +248,7 @@ class KeyWatch:
         ordered = sorted(tenant_ids)
 
         async def known(tenant_id: str) -> Any:
-            return await self.auth.scheduler.knows_tenant.remote(tenant_id)
+            return await self.auth.scheduler.knows_tenant.remote(tenant_id=tenant_id)
 
         try:
             replies = await asyncio.wait_for(asyncio.gather(*(known(t) for t in ordered), return_exceptions=True),

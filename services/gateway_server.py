@@ -226,7 +226,7 @@ class Gateway:
             # admitted to a node it holds no command socket for could be neither watched nor
             # aborted, and would run unseen (diff review s34 F5: the monitor's one 1-s try, sent
             # after serving began, left the scheduler routing there)
-            await self.scheduler_calls.node_down.remote(node_id, reason)
+            await self.scheduler_calls.node_down.remote(node_id=node_id, reason=reason)
         from transformers import AutoTokenizer  # (see RayGateway.__init__)
 
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
@@ -433,9 +433,10 @@ class RayGateway(Gateway):
             self.served_address = f"{host}:{bound}"
             subscriber = self.streams.subscriber if self.streams is not None else ""
             await self.scheduler_calls.attach_gateway.remote(
-                self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
-            await self.scheduler_calls.attach_gateway_apis.remote(self.gateway_id, self.http_address(),
-                                                            self.metrics_address())
+                gateway_id=self.gateway_id, address=self.served_address, subscriber=subscriber,
+                handle=ray.get_runtime_context().current_actor)
+            await self.scheduler_calls.attach_gateway_apis.remote(gateway_id=self.gateway_id, http_address=self.http_address(),
+                                                            metrics_address=self.metrics_address())
             await _within(self.served_record.save(
                 {"grpc": self.served_address, "http": self.http_address(), "metrics": self.metrics_address()}),
                 SCHEDULER_CALL_TIMEOUT_S, "keeping the served addresses")
@@ -467,10 +468,12 @@ class RayGateway(Gateway):
         (``reconcile_gateway``: it releases the others it rebuilt, ended while it was down)."""
         subscriber = self.streams.subscriber if self.streams is not None else ""
         await self.scheduler_calls.attach_gateway.remote(
-            self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
-        await self.scheduler_calls.attach_gateway_apis.remote(self.gateway_id, self.http_address(), self.metrics_address())
+            gateway_id=self.gateway_id, address=self.served_address, subscriber=subscriber,
+            handle=ray.get_runtime_context().current_actor)
+        await self.scheduler_calls.attach_gateway_apis.remote(
+            gateway_id=self.gateway_id, http_address=self.http_address(), metrics_address=self.metrics_address())
         open_requests = self.streams.open_request_ids() if self.streams is not None else []
-        await self.scheduler_calls.reconcile_gateway.remote(subscriber, open_requests)
+        await self.scheduler_calls.reconcile_gateway.remote(subscriber=subscriber, open_requests=open_requests)
 
     async def reattach(self) -> bool:
         """Attach to the scheduler again with this gateway's inbox, after it refused one of its
@@ -508,7 +511,8 @@ class RayGateway(Gateway):
         subscriber = self.streams.subscriber if self.streams is not None else ""
         try:
             await self.scheduler_calls.attach_gateway.remote(
-                self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+                gateway_id=self.gateway_id, address=self.served_address, subscriber=subscriber,
+                handle=ray.get_runtime_context().current_actor)
         except Exception as exc:  # noqa: BLE001 - the refusal stands; the next one tries again
             log.warning("gateway %s: attaching again failed: %s: %.200s", self.gateway_id, type(exc).__name__, exc)
             return False
@@ -565,7 +569,7 @@ class RayGateway(Gateway):
         A malformed record from the scheduler (``scheduler_replies.addresses``) is taken for none:
         the gateway serves again on its own. Regression (s38): it raised in every try (KeyError,
         ValueError from ``int``), and the gateway exited for Ray to restart it, over and over."""
-        reply = await self.scheduler_calls.gateway_addresses.remote(self.gateway_id)
+        reply = await self.scheduler_calls.gateway_addresses.remote(gateway_id=self.gateway_id)
         try:
             addresses = replies.addresses("gateway_addresses", reply, API_NAMES)
         except replies.MalformedReply as exc:

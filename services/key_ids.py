@@ -137,7 +137,7 @@ class KeyDirectory:
         for start in range(0, len(asked), MAX_KEY_IDS_ASKED):
             batch = asked[start:start + MAX_KEY_IDS_ASKED]
             try:
-                reply = await asyncio.wait_for(method.remote(batch), _DIRECTORY_TIMEOUT_S)
+                reply = await asyncio.wait_for(method.remote(key_ids=batch), _DIRECTORY_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - any failure means: not known
                 log.warning("asking which key ids exist failed: %s: %.200s", type(exc).__name__, exc)
                 return UNREACHABLE, set()
@@ -169,7 +169,7 @@ class KeyDirectory:
             self._supported = False
             return UNUSABLE
         try:
-            reply = await asyncio.wait_for(method.remote(self._epoch, self._version), _DIRECTORY_TIMEOUT_S)
+            reply = await asyncio.wait_for(method.remote(epoch=self._epoch, version=self._version), _DIRECTORY_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure means: not known, fall back
             log.warning("key directory refresh failed: %s: %.200s", type(exc).__name__, exc)
             return UNREACHABLE

@@ -86,12 +86,12 @@ def _admin_key(config: ServiceConfig, scheduler: Any) -> str:
     """
     path = admin_key_path(config)
     key = read_key_file(path)
-    if key is not None and _answer(scheduler.verify_admin_key.remote(key), config,
+    if key is not None and _answer(scheduler.verify_admin_key.remote(key=key), config,
                                    "the global scheduler's verify_admin_key"):
         return key
     key = new_api_key()
     write_key_file(path, key)
-    if _answer(scheduler.set_admin_key.remote(key), config, "the global scheduler's set_admin_key"):
+    if _answer(scheduler.set_admin_key.remote(key=key), config, "the global scheduler's set_admin_key"):
         log.warning("admin key file %s was missing or stale: rotated the admin key; the new one is in it", path)
     return key
 
@@ -185,10 +185,10 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         # the data plane (services.data_plane): node command inboxes, the scheduler's admissions
         inboxes = _answer([node.open_data_plane.remote() for node in nodes.values()], config,
                           "the cache nodes' open_data_plane")
-        _answer(scheduler.attach_nodes.remote(dict(zip(nodes, inboxes))), config,
+        _answer(scheduler.attach_nodes.remote(inboxes=dict(zip(nodes, inboxes))), config,
                 "the global scheduler's attach_nodes")
         _answer(scheduler.open_data_plane.remote(), config, "the global scheduler's open_data_plane")
-        port = _answer(gateway.start.remote(config.gateway_host, config.gateway_port), config, "the gateway's start")
+        port = _answer(gateway.start.remote(host=config.gateway_host, port=config.gateway_port), config, "the gateway's start")
         gateway_ip = _answer(gateway.node_ip.remote(), config, "the gateway's node_ip")
         return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,
                         metrics_addresses(gateway, nodes, spill_nodes, config.start_timeout_s),

@@ -307,7 +307,7 @@ class NodeMonitor:
                 await asyncio.wait_for(self.on_scheduler_back(), self.timeout_s)
             for node_id, state in self.state.items():
                 if not state.healthy:
-                    await asyncio.wait_for(self.scheduler.node_down.remote(node_id, state.failure), self.timeout_s)
+                    await asyncio.wait_for(self.scheduler.node_down.remote(node_id=node_id, reason=state.failure), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - it may have died again: retried
             log.warning("the global scheduler answered, but rejoining it failed: %s", _first_line(exc))
             return False
@@ -331,7 +331,7 @@ class NodeMonitor:
         """Poll ``node_id`` until ``stop()``; see the module docstring."""
         if node_id in self.down_at_start:  # stop routing there first (``down``), as ``_down`` does
             try:
-                await asyncio.wait_for(self.scheduler.node_down.remote(node_id, self.state[node_id].failure),
+                await asyncio.wait_for(self.scheduler.node_down.remote(node_id=node_id, reason=self.state[node_id].failure),
                                        self.notify_s)
             except Exception:
                 log.warning("could not tell the scheduler that %s is down", node_id, exc_info=True)
@@ -386,7 +386,7 @@ class NodeMonitor:
         """
         t0 = time.monotonic()
         try:
-            return await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s)
+            return await asyncio.wait_for(node.health.remote(wait_s=wait_s), wait_s + self.timeout_s)
         except asyncio.TimeoutError:
             stalled = self.loop_lag.since(t0)
             if stalled <= self.loop_lag.stall_s:
@@ -394,7 +394,7 @@ class NodeMonitor:
         self.lag_retries += 1
         log.warning("cache node %s: a health poll timed out while this gateway's event loop was stalled for "
                     "%.1f s; asking it again before counting it down", node_id, stalled)
-        return await asyncio.wait_for(node.health.remote(0.0), self.timeout_s)
+        return await asyncio.wait_for(node.health.remote(wait_s=0.0), self.timeout_s)
 
     async def _learn_down(self, node_id: str) -> None:
         """At start: a node the scheduler holds down (another gateway's monitor reported it, or
@@ -425,7 +425,7 @@ class NodeMonitor:
         state.healthy, state.failure = False, reason
         log.warning("%s", reason)
         try:  # first stop routing there, so that a client retrying its failed call goes elsewhere
-            await asyncio.wait_for(self.scheduler.node_down.remote(node_id, reason), self.notify_s)
+            await asyncio.wait_for(self.scheduler.node_down.remote(node_id=node_id, reason=reason), self.notify_s)
         except Exception:
             log.exception("could not tell the scheduler that %s is down", node_id)
         self.streams.fail_node(node_id, reason)
@@ -443,7 +443,8 @@ class NodeMonitor:
                                                       f"cache node {node_id}'s open_data_plane answer")
             self.streams.reconnect(node_id, inbox)
             await asyncio.wait_for(self.scheduler.node_up.remote(
-                node_id, inbox, answer["pid"], state.pid, answer["restarts"], state.restarts),
+                node_id=node_id, inbox=inbox, pid=answer["pid"], previous_pid=state.pid,
+                restarts=answer["restarts"], previous_restarts=state.restarts),
                                    self.timeout_s)
         except Exception:
             log.exception("cache node %s could not rejoin", node_id)

@@ -46,7 +46,8 @@ CALL_TIMEOUT_S = 30.0
 RETRY_S = 1.0
 """Wait before a message is sent again after a failed call, or while its peer has no live actor."""
 
-Args = tuple[Any, ...]
+Args = dict[str, Any]
+"""A message's arguments, by the peer method's parameter names."""
 
 
 class PeerOutbox:
@@ -74,12 +75,19 @@ class PeerOutbox:
         self._thread: threading.Thread | None = None
         self.counters = {"sent_calls": 0, "failed_calls": 0, "slow_calls": 0, "refused_calls": 0}
 
-    def tell(self, method: str, *args: Any, merge: Callable[[Args, Args], Args] | None = None,
+    def tell(self, method: str, args: Args, *, merge: Callable[[Args, Args], Args] | None = None,
              check: Callable[[Args], Args | None] | None = None) -> None:
-        """Queue ``peer.method(*args)``; never blocks. A message of ``method`` still waiting (or
+        """Queue ``peer.method(**args)``; never blocks. A message of ``method`` still waiting (or
         whose call fails meanwhile) is replaced by this one, or joined as ``merge(older, newer)``
-        (arguments tuples). ``check(args)`` runs before each send (on the outbox's thread): the
-        arguments to send then, or None for nothing left to send (the message is dropped)."""
+        (arguments dicts). ``check(args)`` runs before each send (on the outbox's thread, once a
+        live actor of the name was found): the arguments to send then, or None for nothing left
+        to send (the message is dropped).
+
+        The call passes its arguments by keyword: Ray checks them in this process against the
+        peer's class as this process loaded it, and where that load failed once (the peer's
+        module would not import here: an in-place upgrade, a node with other packages) it keeps
+        a stand-in whose methods take keywords only. Regression (s40): ``remote(*args)`` failed
+        there with ``TypeError`` every time, refused (dropped) without reaching the peer."""
         with self._cond:
             if self._closed:
                 return
@@ -132,15 +140,17 @@ class PeerOutbox:
 
     def _send(self, method: str, args: Args, check: Callable[[Args], Args | None] | None) -> bool:
         """One call of ``method``; whether it is done with (answered, refused, or nothing to send)."""
-        sending = check(args) if check is not None else args
-        if sending is None:
-            return True
         handle = self.peer.handle()
         if handle is None:  # no live actor of the name (``peer.missing`` says why): later
             self._failed(method, self.peer.missing)
             return False
+        # (checked once there is a peer to send to: while none lives, what it leaves out could
+        # change again before the send)
+        sending = check(args) if check is not None else args
+        if sending is None:
+            return True
         try:
-            if not self._answer(method, getattr(handle, method).remote(*sending)):
+            if not self._answer(method, getattr(handle, method).remote(**sending)):
                 return True  # (closed meanwhile: dropped)
         except RayActorError as exc:  # dead or restarting: sent again
             self.peer.forget(handle)  # (a new actor of the name is looked up at once)

@@ -53,7 +53,7 @@ async def _presented_gone(scheduler: Any, presented: str | None) -> bool | None:
     if key_id is None:
         return None
     try:
-        found = await scheduler.key_ids_exist.remote([key_id])
+        found = await scheduler.key_ids_exist.remote(key_ids=[key_id])
     except Exception as exc:  # noqa: BLE001 - any failure: unknown, said so
         log.warning("gateway: after a malformed rotation reply, checking the presented key failed: %s", exc)
         return None

@@ -156,7 +156,8 @@ class RaySpillClient:
         counted in ``put_failures`` and logged, as a dead node's)."""
         shards = {i: rows for i, rows in self._split(hashes).items() if not self._busy(i)}
         refs = self._send(shards, lambda i, node: node.put.remote(
-            [hashes[r] for r in shards[i]], blocks[shards[i]], namespace, _pick(token_ids, shards[i]), weight), "put")
+            hashes=[hashes[r] for r in shards[i]], blocks=blocks[shards[i]], namespace=namespace,
+            token_ids=_pick(token_ids, shards[i]), weight=weight), "put")
         replies = self._gather(refs, self.put_timeout_s, "put")
         self._late_puts.update({i: ref for i, ref in refs.items() if i not in replies})
         return sum(int(v) for v in replies.values())
@@ -180,7 +181,7 @@ class RaySpillClient:
         ``token_ids`` is given); a failed node's hashes are misses."""
         shards = self._split(hashes)
         refs = self._send(shards, lambda i, node: node.get.remote(
-            [hashes[r] for r in shards[i]], _pick(token_ids, shards[i])), "get")
+            hashes=[hashes[r] for r in shards[i]], token_ids=_pick(token_ids, shards[i])), "get")
         rows_of: dict[bytes, tuple[np.ndarray, str]] = {}
         for i, reply in self._gather(refs, self.get_timeout_s, "get").items():
             # regression: rows of another shape or dtype were broadcast or cast into the
@@ -200,7 +201,7 @@ class RaySpillClient:
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
         """Tier of each hash on its node; None for a miss or a failed node."""
         shards = self._split(hashes)
-        refs = self._send(shards, lambda i, node: node.contains.remote([hashes[r] for r in shards[i]]), "contains")
+        refs = self._send(shards, lambda i, node: node.contains.remote(hashes=[hashes[r] for r in shards[i]]), "contains")
         replies = self._gather(refs, self.get_timeout_s, "contains")
         out: list[str | None] = [None] * len(hashes)
         for i, tiers in replies.items():
@@ -247,7 +248,7 @@ class RaySpillClient:
         """Drop ``namespace``'s blocks (salted variants too) on every node (a block's node
         follows its hash, not its namespace); returns blocks dropped by the nodes that
         answered (a failed node is logged and counted in ``drop_namespace_failures``)."""
-        refs = self._send(range(len(self.nodes)), lambda i, node: node.drop_namespace.remote(namespace),
+        refs = self._send(range(len(self.nodes)), lambda i, node: node.drop_namespace.remote(namespace=namespace),
                           "drop_namespace")
         return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "drop_namespace").values())
 

@@ -602,7 +602,8 @@ def create_spill_node(
     sink = BlockReporter(scheduler) if scheduler is not None else None
     owner = f"{namespace if namespace is not None else ray.get_runtime_context().namespace}/{name}"
     owner += f"@{deployment}" if deployment else ""
-    handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name, lock_owner=owner,
+    handle = options.remote(root_dir=str(root_dir), block_format=block_format, ram_bytes=ram_bytes,
+                            disk_bytes=disk_bytes, node_id=name, lock_owner=owner,
                             event_sink=sink, metrics=metrics,
                             deleted_tenants=AskScheduler(scheduler) if scheduler is not None else None,
                             num_spill_nodes=num_spill_nodes, **store_options)

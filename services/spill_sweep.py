@@ -61,7 +61,7 @@ class AskScheduler:
 
     def __call__(self, seq: int) -> Any:
         handle = resolve(self.scheduler)
-        return ray.get(handle.deleted_tenants_after.remote(seq, DELETED_PAGE), timeout=self.timeout_s)
+        return ray.get(handle.deleted_tenants_after.remote(seq=seq, limit=DELETED_PAGE), timeout=self.timeout_s)
 
 
 class DeletedTenantSweep:

@@ -204,8 +204,8 @@ class CountingPeer:
     def __init__(self) -> None:
         self.notes: list[tuple[Any, ...]] = []
 
-    def note(self, *args: Any) -> bool:
-        self.notes.append(args)
+    def note(self, node_id: str, session_ids: list[str]) -> bool:
+        self.notes.append((node_id, session_ids))
         return True
 
     def noted(self) -> list[tuple[Any, ...]]:

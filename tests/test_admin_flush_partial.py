@@ -24,7 +24,7 @@ class _Method:
     def __init__(self, answer: Any) -> None:
         self.answer = answer
 
-    async def remote(self, *args: Any) -> Any:
+    async def remote(self, *args: Any, **kwargs: Any) -> Any:
         if self.answer is None:  # stopped, or its step loop stuck: never answers
             await asyncio.Event().wait()
         if isinstance(self.answer, BaseException):  # the call failed (the node died, its loop failed)

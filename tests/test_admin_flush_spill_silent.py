@@ -55,8 +55,8 @@ class _Remote:
     def __init__(self, method: Any) -> None:
         self.method = method
 
-    def remote(self, *args: Any) -> Any:
-        return self.method(*args)
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method(*args, **kwargs)
 
 
 class _NodeHandle:

@@ -299,11 +299,11 @@ class _CountingScheduler:
         self.authenticate = _Remote(self._authenticate)
         self.verify_admin_key = _Remote(self._verify_admin_key)
 
-    async def _authenticate(self, key: str, allow_pbkdf2: bool = True) -> object | None:
-        self.calls.append(key)
-        if self.hold is not None and key not in self.tenants:
+    async def _authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> object | None:
+        self.calls.append(api_key)
+        if self.hold is not None and api_key not in self.tenants:
             await self.hold.wait()
-        return self.tenants.get(key)
+        return self.tenants.get(api_key)
 
     async def _verify_admin_key(self, key: str, allow_pbkdf2: bool = True) -> bool:
         self.calls.append(key)

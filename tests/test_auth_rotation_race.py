@@ -24,8 +24,8 @@ class _GatedStoreScheduler:
     def __init__(self, store: TenantStore, admin_gated: bool = True) -> None:
         self.gate = asyncio.Event()
 
-        async def authenticate(key: str, allow_pbkdf2: bool = True):  # type: ignore[no-untyped-def]
-            answer = store.authenticate(key, allow_pbkdf2)
+        async def authenticate(api_key: str, allow_pbkdf2: bool = True):  # type: ignore[no-untyped-def]
+            answer = store.authenticate(api_key, allow_pbkdf2)
             await self.gate.wait()
             return answer
 

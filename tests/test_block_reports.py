@@ -42,7 +42,7 @@ class Recorder:
         self.fail_next = False
         self.refuse_next = False
 
-    async def report_events(self, holder: str, events: list, reset: bool = False) -> int:
+    async def report_events(self, holder_id: str, events: list, reset: bool = False) -> int:
         await asyncio.sleep(random.random() * 0.01)
         if self.fail_next:
             self.fail_next = False
@@ -50,7 +50,7 @@ class Recorder:
         if self.refuse_next:  # as ``GlobalScheduler.report_events`` refuses a batch: nothing applied, 0
             self.refuse_next = False
             return 0
-        self.calls.append((holder, events, reset))
+        self.calls.append((holder_id, events, reset))
         return len(events)
 
     def fail_once(self) -> None:

@@ -38,8 +38,8 @@ class _Node:
     def __init__(self) -> None:
         self.closed: list[str] = []
 
-    def close_session(self, scoped: str, tenant_id: str, turns: list[str]) -> int:
-        self.closed.append(scoped)
+    def close_session(self, session_id: str, tenant: str, turns: list[str]) -> int:
+        self.closed.append(session_id)
         return 1234
 
 

@@ -52,7 +52,7 @@ class _Node:
         self.answer = answer
         self.flush_by_tier = self
 
-    async def remote(self, *args: Any) -> dict[str, int]:
+    async def remote(self, *args: Any, **kwargs: Any) -> dict[str, int]:
         if self.answer is None:
             raise RuntimeError("node down")
         return self.answer

@@ -34,7 +34,7 @@ class Context:
 
 
 class Scheduler:
-    def close_session(self, scoped: str, tenant_id: str, key_id: str = "") -> tuple[str, list[str]]:
+    def close_session(self, session_id: str, tenant_id: str, key_id: str = "") -> tuple[str, list[str]]:
         return "n0", []
 
 
@@ -47,7 +47,7 @@ class Node:
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
 
-    async def close_session(self, scoped: str, tenant_id: str, turns: list[str]) -> int:
+    async def close_session(self, session_id: str, tenant: str, turns: list[str]) -> int:
         if self.behaviour == "failed":
             raise RuntimeError("cache node n0: step loop failed: RuntimeError: injected step fault")
         if self.behaviour == "hangs":

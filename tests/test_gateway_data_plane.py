@@ -181,7 +181,7 @@ def test_a_stream_whose_client_stops_reading_is_released_when_its_request_ends()
         released = []
         servicer = InferenceServicer.__new__(InferenceServicer)
         servicer.streams, servicer.nodes = streams, {"n0": None}
-        servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda *a: released.append(a)))
+        servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda request_id, usage=None: released.append((request_id, usage))))
         attempts = [servicer._attempt(_Context(), request(rid), [], rid, _Track()) for rid in ("r1", "r2")]
         firsts = [asyncio.ensure_future(a.__anext__()) for a in attempts]  # admitted in pairs
         await _opened(streams, "r1", "r2")
@@ -227,7 +227,7 @@ def test_a_stream_ended_by_the_gateways_verdict_on_its_node_is_aborted_there() -
         ctx, inbox, server, streams = await _plane()
         servicer = InferenceServicer.__new__(InferenceServicer)
         servicer.streams, servicer.nodes = streams, {"n0": None}
-        servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda *a: None))
+        servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda request_id, usage=None: None))
         attempts = [servicer._attempt(_Context(), request(rid), [], rid, _Track()) for rid in ("r1", "r2")]
         firsts = [asyncio.ensure_future(a.__anext__()) for a in attempts]  # admitted in pairs
         await _opened(streams, "r1", "r2")

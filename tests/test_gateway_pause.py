@@ -69,7 +69,8 @@ class _Scheduler:
         async def node_down(node_id: str, reason: str) -> None:
             self.calls.append(("down", node_id))
 
-        async def node_up(node_id: str, *args: Any) -> None:
+        async def node_up(node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0, restarts: int = -1,
+                          previous_restarts: int = -1) -> None:
             self.calls.append(("up", node_id))
 
         async def health() -> dict[str, Any]:

@@ -66,7 +66,7 @@ class SilentScheduler:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    async def attach_gateway(self, *args: Any) -> str:
+    async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 

@@ -310,7 +310,7 @@ def test_a_tenant_holds_at_most_its_cap_of_streams_until_its_client_reads_their_
     async def run() -> None:
         plane = await Plane().start()
         released: list[str] = []
-        scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda rid, _usage: released.append(rid)))
+        scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda request_id, usage=None: released.append(request_id)))
         auth = Auth()
         servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
                                      None, plane.sched_address, limits=StreamLimits(max_streams_per_tenant=2))

@@ -223,7 +223,7 @@ class Gateway:
     async def start(self, limits: StreamLimits) -> Gateway:
         self.plane = await Plane().start()
         self.released: list[str] = []
-        scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda rid, _usage: self.released.append(rid)))
+        scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda request_id, usage=None: self.released.append(request_id)))
         self.auth = Auth()
         self.servicer = InferenceServicer(scheduler, self.auth, {"n0": None},
                                           {"n0": {**NODE_INFO, "data_address": self.plane.node_address}},

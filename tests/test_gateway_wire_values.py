@@ -44,7 +44,7 @@ async def _call(reply: dict[str, Any]) -> tuple[Any, Trailing, Plane, list[str],
     first event, its context, the plane, the releases, the seconds it took)."""
     plane = await Plane().start(reply)
     released: list[str] = []
-    scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda rid, _usage: released.append(rid)))
+    scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda request_id, usage=None: released.append(request_id)))
     auth = Auth()
     servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
                                  None, plane.sched_address)

@@ -34,8 +34,8 @@ class _StoreScheduler:
     """The scheduler's two key checks over ``store``, without ``key_ids_since``."""
 
     def __init__(self, store: TenantStore) -> None:
-        async def authenticate(key: str, allow_pbkdf2: bool = True):  # type: ignore[no-untyped-def]
-            return store.authenticate(key, allow_pbkdf2)
+        async def authenticate(api_key: str, allow_pbkdf2: bool = True):  # type: ignore[no-untyped-def]
+            return store.authenticate(api_key, allow_pbkdf2)
 
         async def verify_admin_key(key: str, allow_pbkdf2: bool = True) -> bool:
             return store.verify_admin_key(key, allow_pbkdf2)

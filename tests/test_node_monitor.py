@@ -113,7 +113,7 @@ def test_a_dead_scheduler_makes_the_gateway_unhealthy_and_fails_admissions_at_on
     async def run() -> None:
         plane = await Silent().start()
         scheduler = SimpleNamespace(down_nodes=_remote(dict), health=SimpleNamespace(remote=health),
-                                    release=SimpleNamespace(remote=lambda *a: None))
+                                    release=SimpleNamespace(remote=lambda request_id, usage=None: None))
         auth = Auth()
         servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
                                      None, plane.sched_address)
@@ -268,8 +268,8 @@ def test_a_restarted_scheduler_is_rejoined_and_the_gateway_serves_again() -> Non
         backs.append(1)
 
     scheduler = SimpleNamespace(health=_remote(lambda: dict(process)), down_nodes=_remote(dict),
-                                node_up=_remote(lambda node_id, *a: ups.append(node_id)),
-                                node_down=_remote(lambda *a: None))
+                                node_up=_remote(lambda node_id, inbox, pid=0, previous_pid=0, restarts=-1, previous_restarts=-1: ups.append(node_id)),
+                                node_down=_remote(lambda node_id, reason: None))
     streams = _SchedulerStreams()
     healthy: list[int] = []
 
@@ -342,8 +342,10 @@ class _RecordingScheduler(SimpleNamespace):
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         super().__init__(calls=self.calls, down_nodes=_remote(dict), health=_remote(lambda: _health({})),
-                         node_down=_remote(lambda *a: self.calls.append(("down", *a))),
-                         node_up=_remote(lambda *a: self.calls.append(("up", *a))))
+                         node_down=_remote(lambda node_id, reason: self.calls.append(("down", node_id, reason))),
+                         node_up=_remote(
+                             lambda node_id, inbox, pid=0, previous_pid=0, restarts=-1, previous_restarts=-1:
+                             self.calls.append(("up", node_id, inbox, pid, previous_pid, restarts, previous_restarts))))
 
 
 class _FailingStreams(_Streams):
@@ -441,8 +443,8 @@ def test_a_malformed_scheduler_answer_is_asked_again_and_a_restart_still_serves_
         served.append(answer["now"])
         return answer["now"]
 
-    scheduler = SimpleNamespace(health=_remote(health), down_nodes=_remote(dict), node_up=_remote(lambda *a: None),
-                                node_down=_remote(lambda *a: None))
+    scheduler = SimpleNamespace(health=_remote(health), down_nodes=_remote(dict), node_up=_remote(lambda node_id, inbox, pid=0, previous_pid=0, restarts=-1, previous_restarts=-1: None),
+                                node_down=_remote(lambda node_id, reason: None))
     streams = _SchedulerStreams()
     healthy: list[int] = []
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import ray
 
@@ -25,8 +26,8 @@ from services.peer_outbox import PeerOutbox
 NAMESPACE = "kvstrata-peer-outbox"
 
 
-def _join(older: tuple, newer: tuple) -> tuple:  # type: ignore[type-arg]
-    return newer[0], [*older[1], *newer[1]]
+def _join(older: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
+    return {**newer, "session_ids": [*older["session_ids"], *newer["session_ids"]]}
 
 
 def test_a_silent_peer_gets_one_call_of_a_message_not_one_per_timeout(ray_cluster) -> None:  # type: ignore[no-untyped-def]
@@ -44,12 +45,12 @@ def test_a_silent_peer_gets_one_call_of_a_message_not_one_per_timeout(ray_cluste
     try:
         os.kill(pid, signal.SIGSTOP)
         try:
-            outbox.tell("note", "n0", ["s1"], merge=_join)
+            outbox.tell("note", {"node_id": "n0", "session_ids": ["s1"]}, merge=_join)
             deadline = time.monotonic() + 30
             while outbox.counters.get("slow_calls", 0) + outbox.counters["failed_calls"] < 3:  # 3 timeouts
                 assert time.monotonic() < deadline, outbox.counters
                 time.sleep(0.05)
-            outbox.tell("note", "n0", ["s2"], merge=_join)
+            outbox.tell("note", {"node_id": "n0", "session_ids": ["s2"]}, merge=_join)
             assert not outbox.flush(0.5)  # (silent: nothing answered yet)
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -59,3 +60,36 @@ def test_a_silent_peer_gets_one_call_of_a_message_not_one_per_timeout(ray_cluste
     finally:
         outbox.close()
         ray.kill(peer, no_restart=True)
+
+
+def test_a_message_is_checked_once_a_peer_of_the_name_lives(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """``check`` runs after the name's look-up found a live actor, right before the call (s40
+    review r3): while none lives nothing is sent, so it is not run (before: once per retry,
+    every ``retry_s``, for as long as the peer was gone: a node's session lock taken each
+    time). Once the peer is there the message is checked once and sent, by keyword."""
+    from tests.ray_actors import CountingPeer
+
+    name = f"late-peer-{os.getpid()}"
+    checked: list[dict[str, Any]] = []
+
+    def check(args: dict[str, Any]) -> dict[str, Any]:
+        checked.append(args)
+        return args
+
+    outbox = PeerOutbox(NamedPeer(ActorRef(name, NAMESPACE), relookup_s=0.0), timeout_s=5.0, retry_s=0.05)
+    peer = None
+    try:
+        outbox.tell("note", {"node_id": "n0", "session_ids": ["s1"]}, check=check)
+        deadline = time.monotonic() + 30
+        while outbox.counters["failed_calls"] < 3:  # three tries found no actor of the name
+            assert time.monotonic() < deadline, outbox.counters
+            time.sleep(0.05)
+        assert checked == []
+        peer = CountingPeer.options(name=name, namespace=NAMESPACE).remote()
+        assert outbox.flush(60.0), outbox.counters
+        assert ray.get(peer.noted.remote(), timeout=30) == [("n0", ["s1"])]
+        assert checked == [{"node_id": "n0", "session_ids": ["s1"]}]
+    finally:
+        outbox.close()
+        if peer is not None:
+            ray.kill(peer, no_restart=True)

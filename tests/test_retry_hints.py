@@ -63,7 +63,7 @@ def test_the_schedulers_transient_refusals_carry_a_hint_and_too_many_sessions_no
 
 
 def _servicer(plane: Plane, limits: StreamLimits | None = None) -> InferenceServicer:
-    scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda _rid, _usage: None))
+    scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda request_id, usage=None: None))
     auth = Auth()
     servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
                                  None, plane.sched_address, limits=limits)

@@ -138,10 +138,10 @@ def test_an_expiry_told_to_a_scheduler_that_died_after_it_was_found_reaches_its_
         tells = node._tells
         assert tells.flush(10.0) and tells.counters["failed_calls"] >= 1
 
-        tells.tell("sessions_ended", "n0", 5)  # (B raises: not a list)
+        tells.tell("sessions_ended", {"node_id": "n0", "session_ids": 5})  # (B raises: not a list)
         assert tells.flush(10.0) and tells.counters["refused_calls"] == 1
         _kill_to_restart(second)
-        tells.tell("record_metrics_port", "n0", 9100)
+        tells.tell("record_metrics_port", {"node_id": "n0", "port": 9100})
         assert tells.flush(60.0), tells.counters
         assert ray.get(second.metrics_port_of.remote("n0"), timeout=30) == 9100
         from ray._private import state  # (no public API reads an actor's restart count)

@@ -230,7 +230,7 @@ def test_the_ray_spill_client_sends_no_put_behind_one_that_timed_out(monkeypatch
         def __init__(self, name: str) -> None:
             self.name = name
 
-        def remote(self, *args):  # type: ignore[no-untyped-def]
+        def remote(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             ref = (self.name, len(sent))
             sent.append(ref)
             if stalled:

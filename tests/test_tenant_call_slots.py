@@ -46,7 +46,7 @@ class HeldScheduler:
         await self.release.wait()
         return self.sched.usage_of(tenant_id)
 
-    async def close_session(self, scoped: str, tenant_id: str, key_id: str = "") -> Any:
+    async def close_session(self, session_id: str, tenant_id: str, key_id: str = "") -> Any:
         self.reached += 1
         await self.release.wait()
         return None

@@ -46,8 +46,8 @@ class _Now:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
-    def remote(self, *args: Any) -> None:
-        self.fn(*args)
+    def remote(self, *args: Any, **kwargs: Any) -> None:
+        self.fn(*args, **kwargs)
 
 
 class _AnsweringNode:

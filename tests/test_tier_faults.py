@@ -299,7 +299,7 @@ def test_the_ray_spill_client_refuses_replies_it_would_broadcast_or_cast(monkeyp
             self.blocks, self.extra = blocks, extra
             self.get = self
 
-        def remote(self, hashes, tokens):  # type: ignore[no-untyped-def]
+        def remote(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
             hashes = list(hashes) + ([self.extra] if self.extra else [])
             return Ref(SpillHits(hashes, self.blocks(len(hashes)), ["spill_ram"] * len(hashes)))
 
