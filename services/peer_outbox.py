@@ -74,6 +74,9 @@ class PeerOutbox:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.counters = {"sent_calls": 0, "failed_calls": 0, "slow_calls": 0, "refused_calls": 0}
+        # failed calls since the peer last answered: logged at the 1st, 2nd, 4th, ... (s40 review r3:
+        # counted over the outbox's life, a new outage's first failures went unlogged)
+        self._failed_in_a_row = 0
 
     def tell(self, method: str, args: Args, *, merge: Callable[[Args, Args], Args] | None = None,
              check: Callable[[Args], Args | None] | None = None) -> None:
@@ -157,10 +160,12 @@ class PeerOutbox:
             self._failed(method, f"{type(exc).__name__}: {str(exc).strip()[:200]}")
             return False
         except Exception as exc:  # noqa: BLE001 - the peer raised: its answer, not sent again
+            self._failed_in_a_row = 0
             self.counters["refused_calls"] += 1
             log.warning("call %s to %s raised (dropped): %s: %.200s", method, self.peer.peer, type(exc).__name__, exc)
             return True
         self.counters["sent_calls"] += 1
+        self._failed_in_a_row = 0  # (the peer answers: its next outage is logged from its 1st failure)
         return True
 
     def _answer(self, method: str, ref: Any) -> bool:
@@ -184,7 +189,8 @@ class PeerOutbox:
 
     def _failed(self, method: str, why: str) -> None:
         self.counters["failed_calls"] += 1
-        failed = self.counters["failed_calls"]
-        if failed & (failed - 1) == 0:  # the 1st, 2nd, 4th, ... (a peer gone for long)
-            log.warning("call %s to %s not answered (sent again every %g s; %d failed calls so far): %s",
+        self._failed_in_a_row += 1
+        failed = self._failed_in_a_row
+        if failed & (failed - 1) == 0:  # the 1st, 2nd, 4th, ... since the peer last answered (gone for long)
+            log.warning("call %s to %s not answered (sent again every %g s; %d failed calls in a row): %s",
                         method, self.peer.peer, self.retry_s, failed, why)

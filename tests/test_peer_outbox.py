@@ -13,6 +13,7 @@ in flight is waited on, and only a failure sends it again.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -93,3 +94,43 @@ def test_a_message_is_checked_once_a_peer_of_the_name_lives(ray_cluster) -> None
         outbox.close()
         if peer is not None:
             ray.kill(peer, no_restart=True)
+
+
+class _Flapping:
+    """A ``NamedPeer`` whose look-ups find no live actor, or ``live``, in the order of ``plan``
+    (True: ``live``); past its end, ``live``."""
+
+    def __init__(self, live: Any, plan: list[bool]) -> None:
+        self.live, self.plan = live, plan
+        self.peer, self.missing = "flapping-peer", "no actor of the name"
+
+    def handle(self) -> Any:
+        return self.live if not self.plan or self.plan.pop(0) else None
+
+    def forget(self, handle: Any) -> None:
+        pass
+
+
+def test_a_new_outage_is_logged_from_its_first_failed_call(ray_cluster, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The failed-call log (1st, 2nd, 4th, ... failure) counts from the peer's last answer (s40
+    review r3): 4 failed calls (3 logged), an answer, then 1 failed call of a new outage, logged.
+    Before, the count ran over the outbox's life: that 5th failure was not logged, nor any
+    until the 8th, so a later outage's start went unseen."""
+    from tests.ray_actors import CountingPeer
+
+    peer = CountingPeer.remote()
+    ray.get(peer.pid.remote(), timeout=60)
+    looked_up = _Flapping(peer, [False] * 4 + [True, False])
+    outbox = PeerOutbox(looked_up, timeout_s=5.0, retry_s=0.01)  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.WARNING, logger="services.peer_outbox"):
+            outbox.tell("note", {"node_id": "n0", "session_ids": ["s1"]})
+            assert outbox.flush(30.0), outbox.counters
+            outbox.tell("note", {"node_id": "n0", "session_ids": ["s2"]})
+            assert outbox.flush(30.0), outbox.counters
+        assert outbox.counters["failed_calls"] == 5 and outbox.counters["sent_calls"] == 2, outbox.counters
+        logged = [r.getMessage() for r in caplog.records if "not answered (sent again" in r.getMessage()]
+        assert [m.split("; ")[1].split(" ")[0] for m in logged] == ["1", "2", "4", "1"], logged
+    finally:
+        outbox.close()
+        ray.kill(peer, no_restart=True)
