@@ -228,7 +228,9 @@ def failure_text(exc: BaseException) -> str:
     it: that header anywhere in the first line counts too, ANSI colours removed. Regression
     (session 40 new user): ``kvstrata up failed: The actor died because of an error raised in its
     creation task, ray::global_scheduler:GlobalSchedulerService.__init__() (pid=...)`` was all a
-    worker importing another checkout's code printed; its AttributeError was dropped."""
+    worker importing another checkout's code printed; its AttributeError was dropped. Only a Ray
+    error's first line is read so (s40 diff review r6 of 995683a): any error whose first line
+    named a ``ray::`` process was cut to its last line, type and message lost."""
     seen: set[int] = set()
     while isinstance(getattr(exc, "cause", None), BaseException) and id(exc) not in seen:
         seen.add(id(exc))
@@ -236,7 +238,10 @@ def failure_text(exc: BaseException) -> str:
     lines = [ANSI.sub("", line).strip() for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return repr(exc)
-    if "ray::" in lines[0] and len(lines) > 1:  # a remote traceback: its last line is the error
+    # a remote traceback (its last line is the error): Ray's header first, or after Ray's own
+    # sentence (ActorDiedError's); another error's text that names a ray:: process is its own
+    remote = lines[0].startswith("ray::") or ("ray::" in lines[0] and type(exc).__module__.startswith("ray"))
+    if remote and len(lines) > 1:
         return lines[-1]
     text = lines[0]
     return text if type(exc).__module__.startswith("ray") else f"{type(exc).__name__}: {text}"

@@ -261,6 +261,14 @@ def test_an_actor_whose_constructor_raised_is_told_by_its_cause() -> None:
     assert lifecycle.failure_text(plain) == ray.exceptions.ActorDiedError.BASE_ERROR_MSG
 
 
+def test_another_error_naming_a_ray_process_keeps_its_first_line() -> None:
+    """Only a Ray error's first line is read as Ray's header (s40 diff review r6 of 995683a):
+    995683a took any first line naming ``ray::`` for one, and printed only the last line of
+    this error, 'see the log', its type and message lost."""
+    exc = RuntimeError("the gateway (ray::RayGateway.start()) did not answer in 30 s\nsee the log")
+    assert lifecycle.failure_text(exc) == "RuntimeError: the gateway (ray::RayGateway.start()) did not answer in 30 s"
+
+
 @pytest.mark.parametrize(("text", "said"), [
     ("gateway_port: [\n", "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)"),
     ("node:\n  kv_pool_bytes: 1\n    block_size: 16\n",
