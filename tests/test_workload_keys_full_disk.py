@@ -15,6 +15,7 @@ save's lock file is a folder (EISDIR) anywhere.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,3 +84,29 @@ def test_keys_that_cannot_be_saved_unregister_their_tenants_and_the_next_run_goe
         third = _run(gw.address, gw.admin_key, keys_file)  # before: TenantNameTaken for 'chat'
         assert load_keys(keys_file, DEPLOYMENT) == third
         assert {gw.scheduler.store.authenticate(k).spec.name for k in third.values()} == set(third)
+
+
+def test_a_registration_failing_midway_leaves_no_tenant_under_a_key_nobody_holds(tmp_path: Path) -> None:
+    """A run's second registration fails (its spec refused: INVALID_ARGUMENT; a store that
+    fills meanwhile fails it UNAVAILABLE alike): the error is raised, the tenant this run
+    registered before it is removed again (its key was only in memory), and the next run
+    registers every tenant.
+
+    Regression (s40 diff review r7 of 5e8e559): the tenants registered before the failure
+    stayed under keys nobody had, so the next run refused 'chat' as another's
+    (``TenantNameTaken``) until removed by hand, as a failed save did before 5e8e559."""
+    keys_file = tmp_path / "cli" / "workload_keys.json"
+    refused = dataclasses.replace(PROFILES[1], cache_namespace="not a namespace!")  # the gateway refuses it
+    with serve(tmp_path / "gw") as gw:
+        async def register() -> None:
+            async with grpc.aio.insecure_channel(gw.address) as ch:
+                await register_tenants(ch, gw.admin_key, [PROFILES[0], refused],
+                                       earlier_keys=load_keys(keys_file, DEPLOYMENT))
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(register())
+
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert [t.spec.name for t in gw.scheduler.store.list()] == []
+        again = _run(gw.address, gw.admin_key, keys_file)  # before: TenantNameTaken for 'chat'
+        assert {gw.scheduler.store.authenticate(k).spec.name for k in again.values()} == set(again)

@@ -67,7 +67,10 @@ async def register_tenants(
             was registered, replaced or deleted (``registered`` is empty; it holds the keys of
             those registered before a name taken meanwhile, for the caller to save as
             ``earlier_keys`` of the next run).
-        grpc.aio.AioRpcError: a registration failed otherwise.
+        grpc.aio.AioRpcError: a registration failed otherwise; the tenants this call had
+            registered before it are deleted again (best effort), so that no tenant stays
+            under a key nobody holds. Regression (s40 diff review r7): they stayed, and the
+            next run refused their names as another's (``TenantNameTaken``).
     """
     stub = tenant_pb2_grpc.TenantServiceStub(channel)
     md = (("authorization", f"Bearer {admin_key}"),)
@@ -80,21 +83,40 @@ async def register_tenants(
             if name in taken and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
                 raise TenantNameTaken(_taken_message(name), registered={})
     keys: dict[str, str] = {}
-    for profile in profiles:
-        name = f"{profile.name}{name_suffix}"
-        spec = profile_to_spec(profile, name, policy)
-        try:
-            resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
-        except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
-                raise
-            if not replace_any and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
-                raise TenantNameTaken(_taken_message(name),  # taken since the check above
-                                      registered={f"{p}{name_suffix}": k for p, k in keys.items()}) from None
-            await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md)
-            resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
-        keys[profile.name] = resp.api_key
+    try:
+        for profile in profiles:
+            name = f"{profile.name}{name_suffix}"
+            spec = profile_to_spec(profile, name, policy)
+            try:
+                resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                if not replace_any and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
+                    raise TenantNameTaken(_taken_message(name),  # taken since the check above
+                                          registered={f"{p}{name_suffix}": k for p, k in keys.items()}) from None
+                await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md)
+                resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
+            keys[profile.name] = resp.api_key
+    except TenantNameTaken:
+        raise
+    except Exception:  # a registration failed: those before it go again (their keys only in memory)
+        await _unregister(stub, md, [f"{p}{name_suffix}" for p in keys])
+        raise
     return keys
+
+
+async def _unregister(stub: tenant_pb2_grpc.TenantServiceStub, md: tuple, names: Iterable[str]) -> list[str]:
+    """Delete tenants ``names`` (gone already: fine); returns ``"name (CODE: details)"`` of each
+    that could not be deleted."""
+    left = []
+    for name in names:
+        try:
+            await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md, timeout=30)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                left.append(f"{name} ({err.code().name}: {err.details()})")
+    return left
 
 
 def _taken_message(name: str) -> str:
@@ -175,15 +197,8 @@ async def save_or_unregister(channel: grpc.aio.Channel, admin_key: str, path: Pa
         return
     except OSError as exc:
         error = exc
-    stub = tenant_pb2_grpc.TenantServiceStub(channel)
-    md = (("authorization", f"Bearer {admin_key}"),)
-    left = []
-    for name in keys:
-        try:
-            await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md, timeout=30)
-        except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                left.append(f"{name} ({err.code().name}: {err.details()})")
+    left = await _unregister(tenant_pb2_grpc.TenantServiceStub(channel), (("authorization", f"Bearer {admin_key}"),),
+                             keys)
     said = f"the keys of the tenants this run registered could not be saved to {path} ({error}): "
     if left:
         raise KeysNotSaved(said + "these could not be removed again, remove them yourself (`kvstrata tenant rm "
