@@ -11,7 +11,10 @@ observer how long each token is, from which a reply's topic can be read. Every c
 ``obfuscation`` string of random ASCII letters and digits whose length, drawn by ``secrets``,
 brings the event's JSON to a multiple of ``OBFUSCATION_BUCKET_CHARS`` plus a random
 0 to ``OBFUSCATION_BUCKET_CHARS - 1`` characters: an event's size tells its content's length
-only to within a bucket, and not exactly at that. A client that trusts the links to this server
+to within a bucket (32 characters) and no finer; the random part stays inside the bucket, so it
+hides nothing beyond that (``size // 32`` is the content's bucket, plus one), and within one
+stream, whose other fields keep their length, an event still tells whether its text crossed a
+bucket's edge (s40 diff review r6: the docs said the size told nothing). A client that trusts the links to this server
 sends ``include_obfuscation: false`` to save those bytes (at most ``2 * OBFUSCATION_BUCKET_CHARS
 - 1`` per event).
 """
