@@ -110,3 +110,18 @@ def test_a_registration_failing_midway_leaves_no_tenant_under_a_key_nobody_holds
         assert [t.spec.name for t in gw.scheduler.store.list()] == []
         again = _run(gw.address, gw.admin_key, keys_file)  # before: TenantNameTaken for 'chat'
         assert {gw.scheduler.store.authenticate(k).spec.name for k in again.values()} == set(again)
+
+
+def test_no_keys_to_save_is_no_failure(tmp_path: Path) -> None:
+    """A run refused before it registered anything (``TenantNameTaken``, ``registered`` empty)
+    has no keys to save: its keys file is not touched, so a full disk adds no 'could not be
+    saved ... removed again ()' to the refusal (s40 diff review r7 of 5e8e559)."""
+    keys_file = tmp_path / "cli" / "workload_keys.json"
+    keys_file.parent.mkdir()
+    keys_file.with_name(f".{keys_file.name}.lock").mkdir()  # any save fails (EISDIR)
+
+    async def save_nothing() -> None:
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as ch:  # (nothing to delete: never used)
+            await save_or_unregister(ch, "admin", keys_file, DEPLOYMENT, {})
+    asyncio.run(save_nothing())
+    assert not keys_file.exists()

@@ -192,6 +192,8 @@ async def save_or_unregister(channel: grpc.aio.Channel, admin_key: str, path: Pa
         KeysNotSaved: naming the file, the error, and any tenant that could not be deleted
             (to remove by hand); the tenants deleted hold nothing a next run would not replace.
     """
+    if not keys:  # nothing registered: nothing to save (the file is not touched)
+        return
     try:
         save_keys(path, deployment, keys)
         return
