@@ -103,7 +103,7 @@ class _Node:
         self.turns: list[Any] = []
         self.close_session = LocalActor(self).answer_close
 
-    def answer_close(self, _session: str, _tenant: str, turns: Any) -> int:
+    def answer_close(self, session_id: str, tenant: str, turns: Any = ()) -> int:  # the node's signature
         self.turns.append(turns)
         return 12
 
@@ -251,7 +251,7 @@ def test_a_restarted_gateway_takes_a_malformed_scheduler_record_for_none(monkeyp
     async def start_again(lie: Any) -> tuple[str, str]:
         gateway = RayGateway.__new__(RayGateway)
         gateway.gateway_id, gateway.served_record, gateway._serve = "gw", ServedRecord("gw", store), serve
-        gateway.scheduler_calls = LocalActor(type("_", (), {"gateway_addresses": staticmethod(lambda _gid: lie)}))
+        gateway.scheduler_calls = LocalActor(type("_", (), {"gateway_addresses": staticmethod(lambda gateway_id: lie)}))
         return await _outcome(gateway._start_again(old_api_ports=True))
 
     outcomes = [asyncio.run(start_again(lie)) for lie in ADDRESS_LIES]
