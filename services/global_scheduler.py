@@ -225,6 +225,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     def admit(
         self, tenant_id: str, request_id: str, session_id: str = "", block_hashes: list[bytes] | None = None,
         prompt_tokens: int = 0, routing_key: str = "", key_id: str = "", spec: str = "",
+        siblings: tuple[str, ...] = (),
     ) -> Admission:
         """Pick a node for a request or reject it (RESOURCE_EXHAUSTED with a retry hint).
 
@@ -239,6 +240,10 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             spec: the digest of the tenant spec the gateway prepared the request with
                 (``tenants.model.spec_digest``; "" = not said): one other than the tenant's
                 current spec's is refused, ``tenant_changed`` (``_changed_spec``).
+            siblings: the request ids of the earlier choices of this request's ``n`` > 1 body
+                (the gateway's word, ``MAX_SIBLINGS`` at most: ``_admission_request``); only
+                those of the tenant in flight on the node with this prompt count
+                (``_own_body``): no work ahead of it for early rejection.
 
         Returns:
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
@@ -321,8 +326,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         prompt = prompt_key(tenant_id, block_hashes or []) if sticky is None else None
         cached = self._sibling_cached(self.nodes[node_id], prompt, len(block_hashes or []),
                                       self._cached_tokens(prefix, prompt_tokens))
-        siblings = [rid for rid, key in self.nodes[node_id].prompt_of.items() if prompt is not None and key == prompt]
-        rejected = self._slo_admission(tenant_id, node_id, cached, request_id, siblings)
+        rejected = self._slo_admission(tenant_id, node_id, cached, request_id,
+                                       self._own_body(tenant_id, node_id, prompt, siblings))
         if rejected is not None:
             self.usage.record_rejected(tenant_id)
             return rejected
@@ -343,8 +348,23 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         return Admission(node_id=node_id, spill_blocks=prefix.spill,
                          continues_session=sticky is not None and session_id in self.kept_sessions)
 
+    def _own_body(self, tenant_id: str, node_id: str, prompt: Any, siblings: tuple[str, ...]) -> list[str]:
+        """Of ``siblings`` (ids the gateway named as the earlier choices of a request's body:
+        untrusted), each once, those in flight on ``node_id`` for ``tenant_id`` with the
+        request's ``prompt`` (``prompt_key``; None, a session turn's: none).
+
+        Regression (eefd578's residue): every request of the tenant in flight on the node with
+        the same prompt counted as the body's own, so two separate identical requests sent at
+        once were no work ahead of each other, and the second was admitted missing its target
+        where it had been refused with a retry hint."""
+        if prompt is None:
+            return []
+        node = self.nodes[node_id]
+        return [rid for rid in dict.fromkeys(siblings)
+                if node.prompt_of.get(rid) == prompt and self.requests.get(rid, ("",))[0] == tenant_id]
+
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes],
-                         key_id: str = "", spec: str = "") -> Admission:
+                         key_id: str = "", spec: str = "", siblings: tuple[str, ...] = ()) -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
         go to ``subscriber`` (a gateway's event inbox, ``services.data_plane``).
 
@@ -384,7 +404,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         new_tools = (not req.session_id or req.session_id not in self.session_nodes
                      or self.session_tools.get(req.session_id) != tools)
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req, new_tools),
-                         req.extra.get("routing_key", ""), key_id, spec)
+                         req.extra.get("routing_key", ""), key_id, spec, siblings)
         if adm.code == "OK":
             if req.session_id:
                 self.turn_tools[req.request_id] = tools

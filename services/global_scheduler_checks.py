@@ -238,8 +238,8 @@ class AdmissionChecks:
         it (kvstrata only) when its estimated TTFT misses what its class allows. None =
         admitted.
 
-        ``siblings``: the tenant's requests in flight on the node with this request's prompt
-        (``_sibling_cached``: the earlier choices of its ``n`` > 1 body). Their parts of the
+        ``siblings``: the earlier choices of its ``n`` > 1 body in flight on the node with this
+        request's prompt, as its gateway named them (``GlobalScheduler._own_body``). Their parts of the
         backlog stay in the estimate but are no work *ahead* for ``decide``: no wait takes them
         away, as every retry of the body starts its choice 0 again. Regression (session 40 new
         user): on an idle node whose meter ran slow (a 2-core host: short prompts' prefill is

@@ -48,7 +48,8 @@ def _body(gs: GlobalScheduler, clock: Clock, tenant: str, tag: str, n: int, prom
     for c in range(n):
         clock.t += 0.002
         adm = gs.admit(tenant, f"{tag}-{c}", block_hashes=_hashes(prompt_tokens, salt),
-                       prompt_tokens=prompt_tokens, routing_key=f"{tag}-key")
+                       prompt_tokens=prompt_tokens, routing_key=f"{tag}-key",
+                       siblings=tuple(f"{tag}-{earlier}" for earlier in range(c)))
         codes.append(adm.code)
     return codes
 
@@ -124,3 +125,42 @@ def test_a_bodys_own_choices_are_no_work_ahead_on_a_slow_idle_node(tmp_path) -> 
     clock.t += 0.002
     refused = gs.admit(ids["t"], "late-0", block_hashes=_hashes(37), prompt_tokens=37, routing_key="late-key")
     assert refused.code == "RESOURCE_EXHAUSTED" and refused.retry_after_s > 0
+
+
+def test_separate_identical_requests_are_work_ahead_of_each_other(tmp_path) -> None:
+    """Only the choices the gateway names as a body's own are no work ahead. Regression
+    (eefd578's residue): any request of the tenant in flight on the node with the same prompt
+    counted, so a second separate identical request sent at once, on the slow idle node of the
+    test above, was admitted missing its target where it had been refused with a retry hint."""
+    gs, ids, clock = _scheduler(tmp_path)
+    gs.nodes["n0"].prefill.set(20.0)
+    for rid in ("first", "second"):
+        clock.t += 0.002
+        adm = gs.admit(ids["t"], rid, block_hashes=_hashes(37), prompt_tokens=37, routing_key="k")
+        codes = (adm.code, adm.retry_after_s > 0)
+        assert codes == (("OK", False) if rid == "first" else ("RESOURCE_EXHAUSTED", True)), (rid, adm)
+
+
+def test_named_siblings_count_only_when_the_tenants_same_prompt_in_flight(tmp_path) -> None:
+    """The sibling ids are the gateway's word (untrusted): one that is another tenant's (the
+    same blocks), another prompt's of the tenant, or not in flight counts for nothing, and one
+    named twice counts once. Each case: the named request(s) admitted on a fast node, then the
+    node slow (20 tokens/s) and a 37-token request naming them: were they its body's, nothing
+    would be ahead of it and it would be admitted; it is refused with a hint."""
+    cases = {  # case -> the requests in flight before it ((tenant, id, salt)), the ids it names
+        "another tenant's": ([("u", "x", 0)], ("x",)),
+        "another prompt's": ([("t", "x", 3)], ("x",)),
+        "not in flight": ([("u", "y", 5)], ("x",)),
+        "named twice": ([("t", "x", 0), ("u", "y", 5)], ("x", "x")),
+    }
+    for case, (in_flight, siblings) in cases.items():
+        gs, ids, clock = _scheduler(tmp_path / case.replace(" ", "_").replace("'", ""))
+        for tenant, rid, salt in in_flight:
+            clock.t += 0.002
+            assert gs.admit(ids[tenant], rid, block_hashes=_hashes(37, salt), prompt_tokens=37,
+                            routing_key="k").code == "OK", case
+        gs.nodes["n0"].prefill.set(20.0)
+        clock.t += 0.002
+        adm = gs.admit(ids["t"], "probe", block_hashes=_hashes(37), prompt_tokens=37, routing_key="k",
+                       siblings=siblings)
+        assert (adm.code, adm.retry_after_s > 0) == ("RESOURCE_EXHAUSTED", True), (case, adm)
