@@ -1,5 +1,6 @@
-"""The tenant store's disk full during an admin or tenant call: the call fails UNAVAILABLE saying
-the store failed and that nothing changed, the store keeps every tenant and key as they were,
+"""The tenant store's disk full during an admin or tenant call: the call fails RESOURCE_EXHAUSTED
+saying the store's disk is full and that nothing changed (the store locked by another
+connection: UNAVAILABLE, busy; its file corrupt: DATA_LOSS), the store keeps every tenant and key as they were,
 and every call works again once the disk has room.
 
 Regression (s40 diskfull): the store's ``sqlite3.OperationalError`` ("database or disk is
@@ -66,10 +67,12 @@ def _statuses(calls: list[tuple[str, str, Call]]) -> list[tuple[str, grpc.Status
     return asyncio.run(run())
 
 
-def _assert_unavailable(failed: list[tuple[str, grpc.StatusCode, str]]) -> None:
+def _assert_full(failed: list[tuple[str, grpc.StatusCode, str]]) -> None:
+    """Each call failed RESOURCE_EXHAUSTED (gRPC's status for a file system out of space),
+    saying the tenant store's disk is full and nothing changed."""
     for label, code, details in failed:
-        assert code == grpc.StatusCode.UNAVAILABLE, (label, code, details)
-        assert "tenant store" in details and "full" in details and "nothing changed" in details, (label, details)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (label, code, details)
+        assert "tenant store's disk is full" in details and "nothing changed" in details, (label, details)
         assert "Traceback" not in details
 
 
@@ -85,7 +88,7 @@ def _register(gw: _Gateway, name: str) -> Call:
     return lambda c: gw.tenants.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name=name)), c)
 
 
-def test_a_full_tenant_store_fails_register_unavailable_and_registers_once_it_has_room(tmp_path: Path) -> None:
+def test_a_full_tenant_store_fails_register_resource_exhausted_and_registers_once_it_has_room(tmp_path: Path) -> None:
     scheduler, admin_key, _, gw = _setup(tmp_path)
     conn = scheduler.store._conn
     conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
@@ -96,16 +99,16 @@ def test_a_full_tenant_store_fails_register_unavailable_and_registers_once_it_ha
 
     failed = _statuses([("register", admin_key, _register(gw, "dan"))] * 2)
 
-    _assert_unavailable(failed)
+    _assert_full(failed)
     names = {t.spec.name for t in scheduler.store.list()}
     assert "dan" not in names and f"t{registered}" not in names and len(names) == registered + 1
     conn.execute("PRAGMA max_page_count = 1073741823")
     assert _statuses([("register", admin_key, _register(gw, "dan"))])[0][1] == grpc.StatusCode.OK
 
 
-def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tiny_disk: Path) -> None:  # noqa: F811
+def test_a_full_disk_fails_every_store_write_resource_exhausted_and_changes_nothing(tiny_disk: Path) -> None:  # noqa: F811
     """On a real full disk: register, update, delete, the admin's and a tenant's own key
-    rotation, and the admin key's rotation each fail UNAVAILABLE; every key and tenant stays as
+    rotation, and the admin key's rotation each fail RESOURCE_EXHAUSTED; every key and tenant stays as
     it was; with room again, each works."""
     scheduler, admin_key, ann_key, gw = _setup(tiny_disk)
     scheduler.store.register(TenantSpec("bob"))
@@ -120,7 +123,7 @@ def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tin
     ]
     filler = fill_disk(tiny_disk)
 
-    _assert_unavailable(_statuses(calls))
+    _assert_full(_statuses(calls))
 
     assert scheduler.store.verify_admin_key(admin_key)
     ann = scheduler.store.authenticate(ann_key)
@@ -179,3 +182,34 @@ def test_an_update_that_fails_changed_nothing_even_when_its_read_back_fails(tmp_
         other.close()
     assert steps, "the other connection never tried the lock"
     store.close()
+
+
+def test_a_store_error_gets_the_status_of_its_cause(tmp_path: Path) -> None:
+    """A register failing in the store: locked by another connection (``kvstrata admin
+    rotate-key --local``): UNAVAILABLE, busy, retry; its file's header overwritten: DATA_LOSS
+    naming tenants.sqlite, not to be retried. Nothing registered either way.
+
+    Regression (s40 diff review r7 of 01ed7ce): every store error was UNAVAILABLE 'retry once
+    its disk has room', a locked or corrupt store's included."""
+    scheduler, admin_key, _, gw = _setup(tmp_path)
+    path = tmp_path / "tenants.sqlite"
+    assert path.is_file()
+    scheduler.store._conn.execute("PRAGMA busy_timeout = 0")  # (5 s by default)
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")  # (reads go on: the caller's key is checked; writes are busy)
+    try:
+        [(_, code, details)] = _statuses([("register", admin_key, _register(gw, "dan"))])
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert code == grpc.StatusCode.UNAVAILABLE, details
+    assert "busy" in details and "nothing changed" in details and "disk" not in details, details
+    assert "dan" not in {t.spec.name for t in scheduler.store.list()}
+
+    with path.open("r+b") as f:
+        f.write(b"not a database, overwritten!")  # SQLite's 16-byte header and past it
+    [(_, code, details)] = _statuses([("register", admin_key, _register(gw, "dan"))])
+    assert code == grpc.StatusCode.DATA_LOSS, details
+    assert "tenants.sqlite" in details and "restore" in details and "disk" not in details, details
+    assert "Traceback" not in details
+    scheduler.store.close()
