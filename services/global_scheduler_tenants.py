@@ -9,6 +9,7 @@ tenant store (``tenants.store``) and the usage ledger. ``Tenants`` is a part of
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -130,6 +131,7 @@ class Tenants:
                 (nothing rotated).
             NotOwnTenantError: ``api_key`` is another tenant's key (nothing rotated).
             TooManyRotationsError: an own rotation past the limit (nothing rotated).
+            sqlite3.Error: the store failed (nothing rotated; an own rotation's slot given back).
             TenantNotFoundError: no tenant ``name`` (the admin's rotation).
         """
         if api_key is None:
@@ -141,7 +143,14 @@ class Tenants:
             raise NotOwnTenantError(name)
         if not self.own_rotations.try_acquire(caller.tenant_id):
             raise TooManyRotationsError(name, self.own_rotations.retry_after_s(caller.tenant_id))
-        return self.store.rotate_key(name, tenant_id=caller.tenant_id, key_id=parse_key_id(api_key))
+        try:
+            return self.store.rotate_key(name, tenant_id=caller.tenant_id, key_id=parse_key_id(api_key))
+        except sqlite3.Error:
+            # nothing rotated (the store rolled back): the rotation's slot is not used.
+            # Regression (s40 diff review r7 of 01ed7ce): it was, so a tenant retrying
+            # through a full disk ran out of its own_rotations before the disk had room.
+            self.own_rotations.give_back(caller.tenant_id)
+            raise
 
     def knows_tenant(self, tenant_id: str) -> bool:
         """Whether ``tenant_id`` is a tenant of the store (``specs``, never a store read).

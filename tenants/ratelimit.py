@@ -44,6 +44,14 @@ class WindowLimiter:
             events.append(now)
             return True
 
+    def give_back(self, key: Hashable) -> None:
+        """Forget ``key``'s latest event (one ``try_acquire`` whose action did not happen);
+        nothing when it has none in the window."""
+        with self._lock:
+            events = self._events.get(key)
+            if events:
+                events.pop()
+
     def retry_after_s(self, key: Hashable) -> float:
         """Seconds until ``key`` may have an event again (0 when it may now)."""
         now = self.clock()

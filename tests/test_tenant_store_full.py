@@ -26,6 +26,7 @@ import grpc
 
 from kvstrata.v1 import admin_pb2, tenant_pb2
 from services.global_scheduler_admission import GlobalSchedulerService
+from services.global_scheduler_tenants import OWN_ROTATIONS_PER_WINDOW
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tests.test_auth_flood import _Aborted, _Ctx
@@ -212,4 +213,31 @@ def test_a_store_error_gets_the_status_of_its_cause(tmp_path: Path) -> None:
     assert code == grpc.StatusCode.DATA_LOSS, details
     assert "tenants.sqlite" in details and "restore" in details and "disk" not in details, details
     assert "Traceback" not in details
+    scheduler.store.close()
+
+
+def test_an_own_rotation_failing_in_the_store_uses_none_of_the_tenants_rotations(tmp_path: Path) -> None:
+    """A tenant's own key rotation that the store fails (busy: another connection writing)
+    changed nothing, so it leaves the tenant's ``OWN_ROTATIONS_PER_WINDOW`` untouched: more
+    failed tries than that, then the rotation works once the store is free.
+
+    Regression (s40 diff review r7 of 01ed7ce): the slot was taken before the write and kept,
+    so a tenant retrying through a store failure was refused RESOURCE_EXHAUSTED ('too many
+    rotations') for a minute once the store worked again."""
+    scheduler, _, ann_key, gw = _setup(tmp_path)
+    scheduler.store._conn.execute("PRAGMA busy_timeout = 0")  # (5 s by default)
+    rotate: Call = lambda c: gw.tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), c)
+    other = sqlite3.connect(tmp_path / "tenants.sqlite", isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")  # (reads go on: ann's key is checked; writes are busy)
+    try:
+        failed = _statuses([("rotate_own", ann_key, rotate)] * (OWN_ROTATIONS_PER_WINDOW + 1))
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert [code for _, code, _ in failed] == [grpc.StatusCode.UNAVAILABLE] * len(failed), failed
+    assert scheduler.store.authenticate(ann_key) is not None  # nothing rotated
+
+    [(_, code, details)] = _statuses([("rotate_own", ann_key, rotate)])
+    assert code == grpc.StatusCode.OK, details
+    assert scheduler.store.authenticate(ann_key) is None
     scheduler.store.close()
