@@ -168,6 +168,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         self.tool_call_parser = tool_call_parser
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self._in_flight: set[str] = set()  # client ids of this gateway's calls in flight (``request_scope``)
+        # a held call's (``hold_call``) requests in flight: its scope -> {client id: attempt's request id}
+        self._call_attempts: dict[str, dict[str, str]] = {}
         self.limits = limits = limits or StreamLimits()
         self.max_streams_per_tenant = limits.max_streams_per_tenant
         self.open_streams: dict[str, int] = {}  # tenant id -> its Generate calls open here
@@ -271,7 +273,9 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         call's own id is held, under the call's ``cache_salt`` (``request_scope``); its requests
         name it in ``GenerateInput.call_id`` and hold nothing. The function returned releases
         it. One in flight already under that salt (any call's, of either API, whatever its
-        ``n``) is ALREADY_EXISTS naming ``client_id``, counted as a refused request.
+        ``n``) is ALREADY_EXISTS naming ``client_id``, counted as a refused request. Each of
+        its requests' admissions names the others in flight as its siblings (the scheduler
+        counts their backlog as no work ahead of it: ``GlobalScheduler._own_body``).
 
         Regression (review 26d P1, P2): each choice held only its own ``<i>_<id>``, so a call
         with the same id and another ``n`` ran beside it, and a duplicate's 409 named ``0_<id>``."""
@@ -281,7 +285,12 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             await _RecordedAbort(context, self.metrics.track(tenant)).abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
         self._in_flight.add(scoped)
-        return lambda: self._in_flight.discard(scoped)
+        self._call_attempts[scoped] = {}
+
+        def release() -> None:
+            self._in_flight.discard(scoped)
+            self._call_attempts.pop(scoped, None)
+        return release
 
     async def _generate(self, context: Any, parse: Callable[[], GenerateInput], tenant: Any,
                         track: RequestTracker, writer: StreamWriter) -> AsyncIterator[dict[str, Any]]:
@@ -302,7 +311,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                                 f"the tenant has {self.max_streams_per_tenant} calls open at this gateway "
                                 "(max_streams_per_tenant): read or cancel them first")
         self.open_streams[tenant_id] = self.open_streams.get(tenant_id, 0) + 1
-        scoped = ""
+        scoped = client_id = ""
+        attempts: dict[str, str] = {}  # (a held call's: ``_call_attempts``)
         try:
             try:
                 call = await self.off_loop(tenant_id, parse)  # a completion's prompt is tokenized here
@@ -327,11 +337,16 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         # Regression: a client id reused right after a cancel got the cancelled attempt's
         # "abort" ending while its own attempt ran on, unseen and unabortable, on the node;
         # and a late abort of a finished attempt refused the id's next use (CANCELLED)
+            # the call's other requests in flight (an n>1 body's other choices): its own body
+            attempts = self._call_attempts.get(held, attempts) if call.call_id else attempts
             for retried in (False, True):
                 req = dataclasses.replace(req, request_id=f"{own}#{uuid.uuid4().hex[:16]}")
+                siblings = tuple(rid for cid, rid in attempts.items() if cid != client_id)
+                attempts[client_id] = req.request_id
                 try:  # closed here, at once: its ``finally`` releases and aborts the attempt
                     async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track, writer,
-                                                                 spec_digest(tenant.spec), retried)) as events:
+                                                                 spec_digest(tenant.spec), retried,
+                                                                 siblings)) as events:
                         async for event in events:
                             yield event
                     break
@@ -340,6 +355,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                     req, hashes = await self._prepare(call, tenant, context)
         finally:
             self._in_flight.discard(scoped)
+            attempts.pop(client_id, None)
             left = self.open_streams[tenant_id] - 1
             if left:
                 self.open_streams[tenant_id] = left
@@ -360,9 +376,10 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
 
     async def _attempt(self, context: Any, req: NodeRequest, hashes: list[bytes], client_id: str,
                        track: RequestTracker, writer: StreamWriter | None = None, spec: str = "",
-                       retried: bool = False) -> AsyncIterator[dict[str, Any]]:
+                       retried: bool = False, siblings: tuple[str, ...] = ()) -> AsyncIterator[dict[str, Any]]:
         """One admitted attempt of a request: admit, stream its node's events, and on any end
         release it at the scheduler (aborting it on its node when it did not finish).
+        ``siblings``: the request ids of the other choices of its ``n`` > 1 body in flight.
 
         ``spec`` is the digest of the tenant spec ``req`` was prepared with
         (``tenants.model.spec_digest``), sent with the admission: a stale one is refused
@@ -413,7 +430,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         # the key's id goes with it: one rotated away since this gateway cached it is refused
-        admission = asyncio.ensure_future(self.streams.admit(req, hashes, key_id, spec=spec))
+        admission = asyncio.ensure_future(self.streams.admit(req, hashes, key_id, spec=spec, siblings=siblings))
         try:
             if not retried:  # headers now, while admission and prefill run, not with the first token
                 await context.send_initial_metadata(())

@@ -355,22 +355,24 @@ class NodeStreams:
             self._authenticator.stop()
         self._context.destroy(linger=0)
 
-    async def admit(self, req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "") -> Admission:
+    async def admit(self, req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "",
+                    siblings: tuple[str, ...] = ()) -> Admission:
         """The scheduler's ``Admission`` for ``req`` (which it has handed on to the node when
         admitted); ``hashes`` are the prompt's block hashes for routing, ``key_id`` the id of
         the API key ``req`` was authenticated with (the scheduler refuses a removed one),
         ``spec`` the digest of the tenant spec ``req`` was prepared with
         (``tenants.model.spec_digest``; the scheduler refuses a stale one, ``tenant_changed``;
-        "" = not said). Refused
+        "" = not said), ``siblings`` the request ids of the earlier choices of ``req``'s
+        ``n`` > 1 body in flight (no work ahead of it: ``GlobalScheduler._own_body``). Refused
         ``gateway_gone`` while this gateway runs, it is sent once more after ``on_gone``.
 
         Raises:
             RuntimeError: the scheduler failed on it, or is down (``scheduler_failed``);
                 TimeoutError: no answer in time.
         """
-        adm = await self._admit_once(req, hashes, key_id, spec)
+        adm = await self._admit_once(req, hashes, key_id, spec, siblings)
         if adm.reason == "gateway_gone" and self.on_gone is not None and await self.on_gone():
-            adm = await self._admit_once(req, hashes, key_id, spec)  # refused before it ran: nothing to undo
+            adm = await self._admit_once(req, hashes, key_id, spec, siblings)  # refused before it ran: nothing to undo
         return adm
 
     def scheduler_failed(self, reason: str, restarting: bool = False) -> None:
@@ -384,7 +386,8 @@ class NodeStreams:
             if not fut.done():
                 fut.set_exception(self._scheduler_error(reason))
 
-    async def _admit_once(self, req: NodeRequest, hashes: list[bytes], key_id: str, spec: str) -> Admission:
+    async def _admit_once(self, req: NodeRequest, hashes: list[bytes], key_id: str, spec: str,
+                          siblings: tuple[str, ...] = ()) -> Admission:
         if self.scheduler_failure:
             raise self._scheduler_error(self.scheduler_failure)
         self._next_id += 1
@@ -395,7 +398,7 @@ class NodeStreams:
             started = time.monotonic()
             await self._send_admission(fut, data_plane.pack({
                 "id": corr, "req": data_plane.request_to_wire(req), "sub": self.subscriber,
-                "hashes": hashes, "key": key_id, "spec": spec}))
+                "hashes": hashes, "key": key_id, "spec": spec, "sibs": list(siblings)}))
             # Regression (helper 29h): a gateway paused past ``admit_timeout_s`` refused, on
             # resume, the admissions whose OK replies were waiting unread in its socket (the
             # deadline's timer ran first); the scheduler had admitted them (they were aborted

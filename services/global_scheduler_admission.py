@@ -504,12 +504,12 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         if type(corr) is not int:
             return None
         try:
-            req, subscriber, hashes, key_id, spec = _admission_request(msg)
+            req, subscriber, hashes, key_id, spec, siblings = _admission_request(msg)
         except (TypeError, ValueError) as exc:
             self.bad_messages += 1
             return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
         try:
-            adm = self.admit_and_submit(req, subscriber, hashes, key_id, spec)
+            adm = self.admit_and_submit(req, subscriber, hashes, key_id, spec, siblings)
         except Exception:
             # the exception's text stays in the log, under an error id the reply names: the
             # gateway hands the reply's text to the tenant (regression, review s35 C S1: the
@@ -520,17 +520,26 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         return {"id": corr, "adm": dataclasses.asdict(adm)}
 
 
-def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes], str, str]:
-    """``(request, subscriber, block hashes, key id, spec digest)`` of an admission message,
-    every field checked; the key id (``"key"``: that of the API key the gateway authenticated
-    the request with) and the spec digest (``"spec"``: ``tenants.model.spec_digest`` of the
-    tenant spec the gateway prepared it with) are "" when the message has none.
+def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes], str, str, tuple[str, ...]]:
+    """``(request, subscriber, block hashes, key id, spec digest, sibling ids)`` of an
+    admission message, every field checked; the key id (``"key"``: that of the API key the
+    gateway authenticated the request with) and the spec digest (``"spec"``:
+    ``tenants.model.spec_digest`` of the tenant spec the gateway prepared it with) are "" when
+    the message has none; the sibling ids (``"sibs"``: the request ids of the earlier choices
+    of the request's ``n`` > 1 body, ``MAX_SIBLINGS`` at most, each 1 to ``MAX_ID_CHARS``
+    characters) () when it has none. The scheduler takes only those of the request's tenant
+    in flight with its prompt (``GlobalScheduler._own_body``).
 
     Raises:
         TypeError, ValueError: a missing or mistyped field.
     """
     hashes, subscriber, key_id = msg.get("hashes"), msg.get("sub"), msg.get("key", "")
-    spec = msg.get("spec", "")
+    spec, siblings = msg.get("spec", ""), msg.get("sibs", [])
+    if not isinstance(siblings, list) or not set(map(type, siblings)) <= {str}:
+        raise TypeError("sibs must be a list of request ids")
+    if len(siblings) > MAX_SIBLINGS or not all(0 < len(s) <= data_plane.MAX_ID_CHARS for s in siblings):
+        raise ValueError(f"sibs must hold at most {MAX_SIBLINGS} request ids of 1 to "
+                         f"{data_plane.MAX_ID_CHARS} characters")
     if not isinstance(hashes, list) or not set(map(type, hashes)) <= {bytes}:  # (a C-speed scan)
         raise TypeError("hashes must be a list of bytes")
     if not isinstance(subscriber, str) or not subscriber.startswith("tcp://"):
@@ -542,8 +551,12 @@ def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[byte
     # routed, not rendered: the tools' and tool calls' JSON is bounded, parsed by the node
     # only, and the token ids counted, checked by the node only (review s34 B F3)
     req = data_plane.request_from_wire(msg.get("req"), parse_tools=False, check_tokens=False)
-    return req, subscriber, hashes, key_id, spec
+    return req, subscriber, hashes, key_id, spec, tuple(siblings)
 
+
+MAX_SIBLINGS = 15
+"""The most sibling ids an admission may name: the earlier choices of a body of ``n`` <=
+``services.openai_api.sampling_fields.MAX_N`` (16) choices."""
 
 _SPEC_DIGEST = re.compile(f"[0-9a-f]{{{SPEC_DIGEST_CHARS}}}")
 

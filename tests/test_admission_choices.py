@@ -11,7 +11,13 @@ Plain ``GlobalScheduler``, no Ray started.
 
 from __future__ import annotations
 
+import pytest
+
+from cache_node.sampling_params import SamplingParams
+from services import data_plane
 from services.global_scheduler import GlobalScheduler
+from services.global_scheduler_admission import MAX_SIBLINGS, _admission_request
+from services.node_request import NodeRequest
 from tenants.model import TenantSpec
 
 
@@ -164,3 +170,20 @@ def test_named_siblings_count_only_when_the_tenants_same_prompt_in_flight(tmp_pa
         adm = gs.admit(ids["t"], "probe", block_hashes=_hashes(37), prompt_tokens=37, routing_key="k",
                        siblings=siblings)
         assert (adm.code, adm.retry_after_s > 0) == ("RESOURCE_EXHAUSTED", True), (case, adm)
+
+
+def test_an_admissions_sibling_ids_are_checked_as_untrusted() -> None:
+    """The data plane's admission message: ``sibs`` is absent (none) or a list of at most
+    ``MAX_SIBLINGS`` request ids of 1 to ``MAX_ID_CHARS`` characters; anything else is a
+    malformed admission (TypeError / ValueError), never handed to ``admit``."""
+    req = data_plane.request_to_wire(NodeRequest(request_id="t/1_r#a", tenant="t", cache_namespace="",
+                                                 sampling=SamplingParams(), token_ids=(1, 2)))
+    msg = {"id": 1, "req": req, "sub": "tcp://127.0.0.1:1", "hashes": []}
+    assert _admission_request(msg)[5] == ()
+    assert _admission_request({**msg, "sibs": ["t/0_r#b"]})[5] == ("t/0_r#b",)
+    assert len(_admission_request({**msg, "sibs": ["x"] * MAX_SIBLINGS})[5]) == MAX_SIBLINGS
+    for bad, error in (("t/0_r#b", TypeError), ([b"t/0_r#b"], TypeError), ([1], TypeError), ({"a": 1}, TypeError),
+                       ([""], ValueError), (["x" * (data_plane.MAX_ID_CHARS + 1)], ValueError),
+                       (["x"] * (MAX_SIBLINGS + 1), ValueError)):
+        with pytest.raises(error, match="sibs"):
+            _admission_request({**msg, "sibs": bad})

@@ -450,3 +450,32 @@ def test_each_choice_has_its_own_id_and_seed_and_the_shared_routing_key() -> Non
     assert ChoiceInputs(parse(prompt_cache_key="k")).parse_for(1)().routing_key == "k"
     other = ChoiceInputs(parse(prompt=[1, 2, 4])).parse_for(0)()
     assert other.routing_key != calls[0].routing_key
+
+
+def test_each_choices_admission_names_the_bodys_other_choices_in_flight(edge: Edge) -> None:
+    """The gateway names, in each choice's admission (the data plane's ``sibs``), the request
+    ids of the body's other choices in flight, which the scheduler counts as no work ahead
+    (``GlobalScheduler._own_body``: only those, so that separate identical requests are work
+    ahead of each other, ``tests/test_admission_choices.py``); a request of its own names none.
+    The real scheduler's ``admit_and_submit`` is watched, not replaced."""
+    seen: list[tuple[str, tuple[str, ...]]] = []
+    real = edge.scheduler.admit_and_submit
+
+    def watched(req: NodeRequest, *args: Any) -> Any:
+        seen.append((req.request_id, args[4] if len(args) > 4 else ()))
+        return real(req, *args)
+
+    edge.scheduler.admit_and_submit = watched
+    try:
+        status, _, raw = edge.post(edge.body(n=3, temperature=0, max_tokens=64), request_id="sibs")
+        assert status == 200, raw
+        status, _, raw = edge.post(edge.body(temperature=0), request_id="alone")
+        assert status == 200, raw
+    finally:
+        del edge.scheduler.admit_and_submit
+    ids = [rid for rid, _ in seen]
+    assert [rid.split("/", 1)[1].split("#")[0] for rid in ids] == ["0_sibs", "1_sibs", "2_sibs", "alone"], ids
+    # each later choice names those before it still in flight (choice 0 runs on: 64 tokens)
+    assert seen[0][1] == () and seen[3][1] == (), seen
+    assert set(seen[1][1]) <= {ids[0]} and set(seen[2][1]) <= {ids[0], ids[1]} and seen[1][1], seen
+    edge.assert_all_freed()
