@@ -1,6 +1,7 @@
 """A run whose report folder cannot be written (its disk full, or the reports root no folder)
 prints its summary all the same and fails naming the root and the error, ``latest`` left
-pointing to the previous report.
+pointing to the previous report; the run's folder is removed again unless its report.md was
+written (then the error names it).
 
 Regression (s40 diskfull): ``write_report``'s ``OSError`` left ``kvstrata run deepresearch``
 with a traceback after the whole run, its outcome never shown.
@@ -66,3 +67,21 @@ def test_a_report_that_cannot_be_written_still_prints_the_runs_summary(
     assert "All 17 sent calls succeeded." in out.getvalue()  # the run's summary
     if before is not None:
         assert os.readlink(root / "latest") == before
+        # no half-written report folder left behind (s40 diff review r7 of a8aaa40: it stayed)
+        assert list((root / "deepresearch").iterdir()) == [], list((root / "deepresearch").iterdir())
+
+
+def test_a_report_whose_latest_link_cannot_be_made_is_kept_and_named(tmp_path: Path) -> None:
+    """The report itself written, ``root/latest`` not (a folder of someone's there): the run's
+    folder stays, and the error names it."""
+    root = tmp_path / "reports"
+    (root / "latest").mkdir(parents=True)
+    (root / "latest" / "mine").write_text("not ours to remove")
+    out = io.StringIO()
+
+    with pytest.raises(ReportNotWritten) as err:
+        _job(root, out)
+
+    [run_dir] = (root / "deepresearch").iterdir()
+    assert str(run_dir) in str(err.value) and (run_dir / "report.md").is_file(), str(err.value)
+    assert (root / "latest" / "mine").is_file()

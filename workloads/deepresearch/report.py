@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -106,9 +107,57 @@ def write_report(
         now: the folder's timestamp (default: local time now).
         scheduler / policy: the gateway's scheduler and the tenants' KV policy ("" = not
             known / each node's default); at the top of report.md and in ``run.json``.
+
+    Raises:
+        OSError: ``root`` or the new folder could not be written; a folder begun before
+            report.md was written is removed again (regression, s40 diff review r7 of
+            a8aaa40: the half-written ``root/deepresearch/<stamp>`` stayed, unnamed).
+        ReportPartlyWritten: the report was written, a later file or ``root/latest`` not:
+            the folder is kept and named.
     """
     root = Path(root)
     run_dir = _new_run_dir(root, now or datetime.now())
+    try:
+        report = _fill_run_dir(run_dir, records, timeseries, tenants, config=config, trace=trace,
+                               run_info=run_info, window_s=window_s, scheduler=scheduler, policy=policy)
+        _point_latest(root, run_dir)
+    except OSError as exc:
+        if not (run_dir / "report.md").is_file():  # nothing a reader can use: no half-written folder left
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        raise ReportPartlyWritten(f"{exc}; the report itself is in {run_dir} (run.json, trace.jsonl or "
+                                  f"{root / 'latest'} not written)", run_dir) from exc
+    return run_dir, report
+
+
+class ReportPartlyWritten(OSError):
+    """``write_report`` failed after the report itself (report.json, the plots, report.md) was
+    written: ``run_dir`` (also ``args[1]``) keeps it; run.json, trace.jsonl or ``root/latest``
+    is missing."""
+
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message, run_dir)
+        self.run_dir = run_dir
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _fill_run_dir(
+    run_dir: Path,
+    records: Sequence[Mapping[str, Any]],
+    timeseries: Sequence[Mapping[str, Any]],
+    tenants: Sequence[TenantProfile],
+    *,
+    config: WorkloadConfig | None,
+    trace: Sequence[Mapping[str, Any]] | None,
+    run_info: Mapping[str, Any] | None,
+    window_s: float,
+    scheduler: str,
+    policy: str,
+) -> dict[str, Any]:
+    """Write ``write_report``'s files into ``run_dir`` and return the report (``OSError``
+    raised as it comes)."""
     write_jsonl(records, run_dir / "calls.jsonl")
     write_jsonl(timeseries, run_dir / "timeseries.jsonl")
     # Recompute from the files just written, so report.json is what a reader gets from them.
@@ -137,5 +186,4 @@ def write_report(
         info["config"] = dataclasses.asdict(config)
     info.update(run_info or {})
     write_file_atomic(run_dir / "run.json", json.dumps(info, indent=2, sort_keys=True) + "\n", REPORT_FILE_MODE)
-    _point_latest(root, run_dir)
-    return run_dir, report
+    return report
