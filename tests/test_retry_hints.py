@@ -148,7 +148,7 @@ def test_an_admission_the_scheduler_never_answers_carries_a_hint() -> None:
         servicer = _servicer(plane)
         await servicer.streams.start()
 
-        async def silent(_req: Any, _hashes: Any, _key_id: str = "", spec: str = "") -> Any:
+        async def silent(_req: Any, _hashes: Any, _key_id: str = "", spec: str = "", siblings: tuple = ()) -> Any:
             raise asyncio.TimeoutError
 
         servicer.streams.admit = silent  # type: ignore[method-assign]
