@@ -108,10 +108,11 @@ def test_a_client_gone_while_being_admitted_is_released_after_its_admission(edge
     here as if in transit."""
     real, sent, admitted = edge.servicer.streams.admit, threading.Event(), threading.Event()
 
-    async def late_admit(req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "") -> Any:
+    async def late_admit(req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "",
+                         siblings: tuple[str, ...] = ()) -> Any:
         sent.set()
         await asyncio.sleep(0.3)  # still on its way to the scheduler
-        adm = await real(req, hashes, key_id, spec)
+        adm = await real(req, hashes, key_id, spec, siblings)
         if adm.code == "OK":
             admitted.set()
         return adm
@@ -139,10 +140,11 @@ def test_a_client_gone_while_being_admitted_whose_admission_fails_is_aborted_and
     as a connected call's failed admission is."""
     real, sent, admitted = edge.servicer.streams.admit, threading.Event(), threading.Event()
 
-    async def failed_admit(req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "") -> Any:
+    async def failed_admit(req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "",
+                           siblings: tuple[str, ...] = ()) -> Any:
         sent.set()
         await asyncio.sleep(0.3)  # the client leaves meanwhile
-        assert (await real(req, hashes, key_id, spec)).code == "OK"  # the scheduler admits it ...
+        assert (await real(req, hashes, key_id, spec, siblings)).code == "OK"  # the scheduler admits it ...
         admitted.set()
         raise failure("the admission's reply did not come in time")  # ... its answer fails here
 
