@@ -51,7 +51,14 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from cache_node.grammar_worker import _cap_files, frame, read_frame_blocking, run_child
+from cache_node.grammar_worker import (
+    HEADER_BYTES,
+    _cap_files,
+    frame,
+    header_size,
+    read_frame_blocking,
+    run_child,
+)
 from cache_node.sandbox import confine
 from services.chat import TemplateRefusal
 
@@ -192,14 +199,66 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     sandbox = confine(os.getcwd())  # from here on, tenants' messages
     replies.write(frame(["ready", sandbox]))
     replies.flush()
-    while (body := read_frame_blocking(requests, MAX_REQUEST_BYTES)) is not None:
+    while True:
         try:
+            body = read_request(requests, MAX_REQUEST_BYTES)
+            if body is None:
+                return
             reply = frame(render(templater, msgpack.unpackb(body, raw=False)))
         except MemoryError:  # its frame (the request's, the reply's) past the cap
             reply = frame(["error", "memory", "rendering them needs more memory than the chat renderer may use"])
-        del body
+        body = None
         replies.write(reply)
         replies.flush()
+
+
+def read_request(stream: BinaryIO, max_bytes: int) -> bytearray | None:
+    """The next frame's body from ``stream`` (None at its end), as ``read_frame_blocking``
+    reads it, but read past whole when it does not fit under the memory cap: the next read is
+    the next frame's.
+
+    Raises:
+        MemoryError: the body did not fit (the frame has been read past: the request's size
+            refusal, as a render past the cap is). Regression (task s40): the body was read
+            outside ``serve``'s ``try``, and a frame past the cap ended the child with exit
+            status 1 (the request answered INTERNAL, not ``RenderTooLarge``).
+        ValueError: the frame declares more than ``max_bytes``, or the stream ends inside it.
+    """
+    header = stream.read(HEADER_BYTES)
+    if not header:
+        return None
+    if len(header) < HEADER_BYTES:
+        raise ValueError("the stream ended inside a frame header")
+    size = header_size(header)
+    if size > max_bytes:
+        raise ValueError(f"a frame of {size} bytes; at most {max_bytes}")
+    got = 0
+    try:
+        body = bytearray(size)
+        view = memoryview(body)
+        while got < size:
+            n = stream.readinto(view[got:])
+            if not n:
+                raise ValueError("the stream ended inside a frame")
+            got += n
+    except MemoryError:
+        view = body = None  # (freed before the rest is read past)
+        _skip(stream, size - got)
+        raise
+    view.release()
+    return body
+
+
+def _skip(stream: BinaryIO, size: int) -> None:
+    """Read ``size`` bytes of ``stream`` past, 64 KiB at a time.
+
+    Raises:
+        ValueError: the stream ends before them."""
+    while size > 0:
+        chunk = stream.read(min(size, 64 << 10))
+        if not chunk:
+            raise ValueError("the stream ended inside a frame")
+        size -= len(chunk)
 
 
 def cap_memory(memory_bytes: int) -> None:

@@ -173,3 +173,20 @@ def test_a_tokenizer_that_does_not_load_under_the_cap_is_named_and_backed_off(to
         assert templater.pool.processes[0].num_starts == 2
     finally:
         templater.close()
+
+
+def test_a_request_frame_past_the_memory_cap_is_the_requests_size_and_the_child_serves_on(tokenizer: Any) -> None:
+    """Task s40: a request whose frame alone does not fit under the child's memory cap (a
+    100 MiB chat, a child capped at 200 MiB holding ~124 MiB ready) is that request's size
+    refusal (``RenderTooLarge``), as a render past the cap is; the child reads past the frame
+    and serves the next request. Before, the frame was read outside ``serve``'s ``try``: the
+    child ended with exit status 1 and the request failed ``RenderFailed`` (INTERNAL)."""
+    templater = GatewayTemplater(tokenizer, RenderPool(tokenizer, 1, memory_bytes=200 << 20), -1, -1)
+    try:
+        with pytest.raises(render_process.RenderTooLarge):
+            templater.render([{"role": "user", "content": "x" * (100 << 20)}])
+        children = list(templater.pool.processes)
+        assert templater.render(MANY) == ChatTemplater(tokenizer).render(MANY)
+        assert templater.pool.processes == children and len(children) == 1  # the same child served on
+    finally:
+        templater.close()
