@@ -41,13 +41,13 @@ class _Answers:
         self.tenant_blocks, self.stats = LocalActor(self).answer_blocks, LocalActor(self).answer_stats
         self.flush_by_tier = LocalActor(self).answer_flush
 
-    def answer_blocks(self, _tenant: str) -> Any:
+    def answer_blocks(self, tenant: str) -> Any:  # the node's tenant_blocks signature
         return self.answers["blocks"]
 
     def answer_stats(self) -> Any:
         return self.answers["stats"]
 
-    def answer_flush(self, _spill_timeout_s: float) -> Any:
+    def answer_flush(self, spill_timeout_s: float | None = None) -> Any:  # flush_by_tier's
         return self.answers["flushed"]
 
 

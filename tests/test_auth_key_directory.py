@@ -37,7 +37,8 @@ from tests.test_auth_flood import _code, _CountingScheduler, _Ctx, _Remote, _ten
 
 
 class _Recorded:
-    """``LocalActor(scheduler)`` that records each call as ``(method name, first argument)``."""
+    """``LocalActor(scheduler)`` that records each call as ``(method name, first argument)``, the
+    first keyword argument's value where none is positional (the gateway calls by keyword)."""
 
     def __init__(self, scheduler: GlobalSchedulerService) -> None:
         self._actor, self.calls = LocalActor(scheduler), []
@@ -46,7 +47,7 @@ class _Recorded:
         method = getattr(self._actor, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, args[0] if args else None))
+            self.calls.append((name, args[0] if args else next(iter(kwargs.values()), None)))
             return method.remote(*args, **kwargs)
 
         return _Remote(call)
