@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -168,3 +170,31 @@ def test_a_spec_that_needs_more_cpu_than_the_limit_is_still_refused(tokenizer) -
         assert "refused without compiling" in str(g.compile(slow, "t").exception(timeout=1))
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("used,starved", [(1.0, False), (0.995, False), (0.5, True), (None, True)])
+def test_at_the_wall_bound_a_compile_that_had_its_cpu_limit_is_the_specs_timeout(used: Any, starved: bool) -> None:
+    """``CompilerProcess._wait`` at the wall bound: a compile that had used its whole CPU-time
+    limit (to /proc's two ticks) by then is the spec's time-out, only one with less (or an
+    unreadable count) was starved by the node's load. Regression (s40 candidate CI): 1.0 s of a
+    1 s limit read at the 6 s wall bound was refused "this cache node is too busy to compile it
+    now; retry later", the spec's own refusal expected. The child, the pipe and the clock are real
+    enough: a pipe nothing writes to, a deadline already past, a child whose CPU reads ``used``."""
+    from cache_node import grammar_process
+
+    class _Child:
+        def cpu_seconds(self) -> float | None:
+            return None if used is None else 10.0 + used
+
+    killed: list[bool] = []
+    holder = SimpleNamespace(kill=lambda: killed.append(True))
+    read_fd, write_fd = os.pipe()
+    try:
+        now = time.monotonic()
+        with pytest.raises(grammar_process.CompileTimeout) as caught:
+            grammar_process.CompilerProcess._wait(holder, read_fd, select.POLLIN, (now - 6.0, now - 0.01,
+                                                                                   (_Child(), 10.0, 1.0)))
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert killed == [True] and caught.value.starved is starved, (used, caught.value.starved)
