@@ -98,23 +98,13 @@ from services.auth_header import bearer_key
 from services.auth_known import _ADMIN_OWNER, KnownKeys
 from services.auth_limits import CheckLimits
 from services.key_ids import SUSPECT_TTL_S, KeyDirectory, SuspectKeyIds
-from services.store_failures import sqlite_error_name, store_failure
+from services.store_failures import abort_store_failure
 from tenants.keys import fingerprint, parse_key_id
 from tenants.model import Tenant
 from tenants.ratelimit import ExpiringSet, WindowLimiter
 
 log = logging.getLogger(__name__)
 
-
-async def _abort_store_failure(context: grpc.aio.ServicerContext, method: str, exc: sqlite3.Error) -> None:
-    """Abort a call whose key check failed in the scheduler's tenant store with
-    ``store_failure``'s status and advice, logged. Regression (s40 diff review r7 of 01ed7ce):
-    the store's error was raised out of the key check, failing the call UNKNOWN with a remote
-    traceback (a corrupt or locked store's key check, before any admin call reached the store)."""
-    code, advice = store_failure(exc)
-    log.warning("%s: the scheduler's tenant store failed (%s: %s), the call failed %s",
-                method, sqlite_error_name(exc), exc, code.name)
-    await context.abort(code, f"the scheduler's tenant store failed: {advice}")
 
 _CACHE_TTL_S = 10.0
 
@@ -240,7 +230,8 @@ class Authenticator(KnownKeys, CheckLimits):
         try:
             reply = await self.scheduler.authenticate.remote(api_key=key, **kwargs)
         except sqlite3.Error as exc:
-            await _abort_store_failure(context, "authenticate", exc)
+            await abort_store_failure(context, "authenticate", exc)  # (s40 diff review r7 of 01ed7ce:
+            # it was raised out of the key check, failing the call UNKNOWN with a remote traceback)
         return await replies.answer(context, "authenticate", reply, replies.tenant_or_none)
 
     async def _verify_admin_key(self, context: grpc.aio.ServicerContext, key: str, **kwargs: Any) -> bool:
@@ -250,7 +241,7 @@ class Authenticator(KnownKeys, CheckLimits):
         try:
             reply = await self.scheduler.verify_admin_key.remote(key=key, **kwargs)
         except sqlite3.Error as exc:
-            await _abort_store_failure(context, "verify_admin_key", exc)
+            await abort_store_failure(context, "verify_admin_key", exc)
         return await replies.answer(context, "verify_admin_key", reply, replies.verdict)
 
     async def _is_tenant_key(self, context: grpc.aio.ServicerContext, key: str, allow_pbkdf2: bool) -> bool:

@@ -29,7 +29,7 @@ from services.gateway_key_watch import KEY_CHECK_S, KEY_STALENESS_MAX_S
 from services.key_ids import APPLIED, UNREACHABLE
 from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics
-from services.store_failures import sqlite_error_name, store_failure
+from services.store_failures import abort_store_failure
 from services.tenant_call_slots import TenantCallSlots
 from tenants.errors import (
     NotOwnTenantError,
@@ -57,8 +57,8 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None, 
     (no arguments) before the call is aborted UNAUTHENTICATED because the scheduler found the
     caller's key no longer valid (``StaleKeyError``), to forget it here. ``check``: one of
     ``services.scheduler_replies``' checks of the scheduler's reply to ``method`` (a malformed
-    one: INTERNAL, logged). The store's own failure (``sqlite3.Error``) gets the status and
-    advice of ``store_failure``, logged: the store's transaction was rolled back.
+    one: INTERNAL, logged). The store's own failure (``sqlite3.Error``) gets the status, advice
+    and ``retry-after-ms`` of ``store_failure``, logged: the store's transaction was rolled back.
 
     Regression (s40 diskfull): it reached gRPC uncaught, failing the call UNKNOWN with the
     exception's class and a whole remote traceback."""
@@ -82,10 +82,7 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None, 
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
     except sqlite3.Error as exc:
-        code, advice = store_failure(exc)
-        log.warning("%s: the scheduler's tenant store failed (%s: %s), the call failed %s",
-                    method or "admin call", sqlite_error_name(exc), error_message(exc), code.name)
-        await context.abort(code, f"the scheduler's tenant store failed ({error_message(exc)}): {advice}")
+        await abort_store_failure(context, method or "admin call", exc, f" ({error_message(exc)})")
     return reply if check is None else await replies.answer(context, method, reply, check)
 
 

@@ -1,5 +1,6 @@
-"""The tenant store's disk full during an admin or tenant call: the call fails RESOURCE_EXHAUSTED
-saying the store's disk is full and that nothing changed (the store locked by another
+"""The tenant store's disk full during an admin or tenant call: the call fails UNAVAILABLE
+(``retry-after-ms`` 10 s; s41: it was RESOURCE_EXHAUSTED, which HTTP answers as the client's
+rate limit, 429) saying the store's disk is full and that nothing changed (the store locked by another
 connection: UNAVAILABLE, busy; its file corrupt: DATA_LOSS), the store keeps every tenant and key as they were,
 and every call works again once the disk has room.
 
@@ -69,10 +70,10 @@ def _statuses(calls: list[tuple[str, str, Call]]) -> list[tuple[str, grpc.Status
 
 
 def _assert_full(failed: list[tuple[str, grpc.StatusCode, str]]) -> None:
-    """Each call failed RESOURCE_EXHAUSTED (gRPC's status for a file system out of space),
-    saying the tenant store's disk is full and nothing changed."""
+    """Each call failed UNAVAILABLE (the server's trouble, retried once there is room: not the
+    client's quota), saying the tenant store's disk is full and nothing changed."""
     for label, code, details in failed:
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (label, code, details)
+        assert code == grpc.StatusCode.UNAVAILABLE, (label, code, details)
         assert "tenant store's disk is full" in details and "nothing changed" in details, (label, details)
         assert "Traceback" not in details
 
@@ -89,7 +90,7 @@ def _register(gw: _Gateway, name: str) -> Call:
     return lambda c: gw.tenants.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name=name)), c)
 
 
-def test_a_full_tenant_store_fails_register_resource_exhausted_and_registers_once_it_has_room(tmp_path: Path) -> None:
+def test_a_full_tenant_store_fails_register_unavailable_and_registers_once_it_has_room(tmp_path: Path) -> None:
     scheduler, admin_key, _, gw = _setup(tmp_path)
     conn = scheduler.store._conn
     conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
@@ -107,9 +108,9 @@ def test_a_full_tenant_store_fails_register_resource_exhausted_and_registers_onc
     assert _statuses([("register", admin_key, _register(gw, "dan"))])[0][1] == grpc.StatusCode.OK
 
 
-def test_a_full_disk_fails_every_store_write_resource_exhausted_and_changes_nothing(tiny_disk: Path) -> None:  # noqa: F811
+def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tiny_disk: Path) -> None:  # noqa: F811
     """On a real full disk: register, update, delete, the admin's and a tenant's own key
-    rotation, and the admin key's rotation each fail RESOURCE_EXHAUSTED; every key and tenant stays as
+    rotation, and the admin key's rotation each fail UNAVAILABLE; every key and tenant stays as
     it was; with room again, each works."""
     scheduler, admin_key, ann_key, gw = _setup(tiny_disk)
     scheduler.store.register(TenantSpec("bob"))

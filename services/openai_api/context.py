@@ -26,12 +26,17 @@ ABORTED                409   invalid_request_error (a session turn whose history
 RESOURCE_EXHAUSTED     429   rate_limit_error (+ ``Retry-After`` seconds, rounded up)
 UNAVAILABLE            503   service_unavailable
 DEADLINE_EXCEEDED      504   timeout
+DATA_LOSS              500   internal_error (the tenant store corrupt: ``services.store_failures``)
 others                 500   internal_error
 =====================  ====  ==========================
 
+A key check the tenant store fails is the server's trouble, never a 4xx: 503 with
+``Retry-After`` while a retry may help (busy, locked, its disk full or failing), 500 when it
+cannot (corrupt), as the gRPC API's status and ``retry-after-ms`` (``services.store_failures``).
+
 A refusal that retrying cannot fix (``CallAborted.retryable`` false: a session cap, a lost
 session's history, a session turn under another namespace, a deleted tenant's request, a failed
-step) carries ``x-should-retry: false``, which the official
+step, a corrupt tenant store) carries ``x-should-retry: false``, which the official
 ``openai`` client obeys instead of retrying its 409s, 429s and 5xx; a 429 or 503 with
 ``Retry-After`` stays retryable.
 
@@ -65,6 +70,7 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.DATA_LOSS: (500, "internal_error"),
 }
 
 
@@ -127,12 +133,14 @@ class CallAborted(Exception):
         """A retry of the same request may succeed: false for a session cap or a lost session's
         history (only a CloseSession helps), for a session turn after its tenant moved to another
         namespace (FAILED_PRECONDITION: the same), for a request its tenant's deletion ended,
-        for a step that failed on the node (INTERNAL: a retry runs it again) and for a gateway
+        for a step that failed on the node (INTERNAL: a retry runs it again), for data lost
+        (DATA_LOSS: a corrupt tenant store, which only its restore mends) and for a gateway
         the scheduler counts as gone (``gateway_gone``); true for any refusal with
-        ``retry_after_ms``."""
+        ``retry_after_ms``. Regression (s41): a corrupt store's 500 was retried by the ``openai``
+        client (twice, by default)."""
         if self.retry_after_ms is not None:
             return True
-        if self.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION) or (
+        if self.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS) or (
                 self.code == grpc.StatusCode.UNAVAILABLE and self.message.startswith(_GATEWAY_GONE)):
             return False
         return not (self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
