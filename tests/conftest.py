@@ -21,6 +21,7 @@ from cache_node.model_loader import LoadedModel, load_model, tiny_llama
 from tests.xdist_order import (  # noqa: F401 (the xdist hooks: tests/xdist_order.py)
     pytest_configure,
     pytest_configure_node,
+    pytest_runtest_teardown,
     pytest_unconfigure,
     pytest_xdist_make_scheduler,
     write_ray_files,

@@ -24,8 +24,8 @@ CONFTEST = '''
 import os
 import pytest
 from tests import xdist_order
-from tests.xdist_order import (pytest_configure, pytest_configure_node, pytest_unconfigure,
-                               pytest_xdist_make_scheduler, write_ray_files)
+from tests.xdist_order import (pytest_configure, pytest_configure_node, pytest_runtest_teardown,
+                               pytest_unconfigure, pytest_xdist_make_scheduler, write_ray_files)
 
 xdist_order.KNOWN_SECONDS["test_heavy"] = 1000.0
 
@@ -42,12 +42,14 @@ def _log(what):
 @pytest.fixture(scope="session")
 def ray_cluster():
     _log("BUILT ray_cluster")
-    return object()
+    yield object()
+    _log("ENDED ray_cluster")
 
 
 @pytest.fixture(scope="session")
 def stack(ray_cluster):
-    return ray_cluster
+    yield ray_cluster
+    _log("ENDED stack")
 
 
 @pytest.fixture(autouse=True)
@@ -87,6 +89,44 @@ def test_the_ray_files_share_one_worker_and_the_longest_file_goes_first(tmp_path
     first_on_its_worker = next(what for worker, what in lines if worker == heavy and "::" in what)
     assert first_on_its_worker == "test_heavy.py::test_0", lines
     assert heavy not in ray_workers, lines  # the two longest units start at once, one per worker
+
+
+def _run(suite: Path, log: Path, *args: str) -> list[tuple[str, str]]:
+    """Run the synthetic ``suite`` with pytest ``args``: its log, (worker, what) a line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDIST_ORDER_LOG": str(log)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                       check=False, cwd=suite, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    lines = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    log.unlink()
+    return [(worker, what) for worker, what in lines]
+
+
+def test_the_ray_fixtures_end_as_the_worker_leaves_the_ray_files(tmp_path: Path) -> None:
+    """In a ``--dist loadfile`` worker the session's Ray fixtures (the services first, a module
+    fixture on them before) end after the group's last test, before the next file's first: on
+    the code before, at the session's end, after test_b.py (an idle cluster and services
+    beside every later file). Without xdist the Ray files are not contiguous (test_b.py runs
+    between them): the cluster is built once and ends with the session."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\n")
+    (suite / "conftest.py").write_text(CONFTEST)
+    (suite / "test_a_ray.py").write_text(_tests(3, "ray_cluster"))
+    (suite / "test_b.py").write_text(_tests(2))
+    (suite / "test_c_ray.py").write_text("import pytest\nfrom conftest import _log\n\n\n"
+                                         "@pytest.fixture(scope='module')\ndef built(stack):\n"
+                                         "    yield stack\n    _log('ENDED built')\n\n\n" + _tests(2, "built"))
+    log = tmp_path / "log"
+    # one worker: the Ray group (5 tests, 2.5 s by DEFAULT_SECONDS_PER_TEST) first, then test_b.py
+    grouped = [what for _, what in _run(suite, log, "-n", "1", "--dist", "loadfile")]
+    assert grouped == ["BUILT ray_cluster", *(f"test_a_ray.py::test_{i}" for i in range(3)),
+                       *(f"test_c_ray.py::test_{i}" for i in range(2)), "ENDED built", "ENDED stack",
+                       "ENDED ray_cluster", "test_b.py::test_0", "test_b.py::test_1"], grouped
+    plain = [what for _, what in _run(suite, log, "-p", "no:xdist")]
+    assert plain == ["BUILT ray_cluster", *(f"test_a_ray.py::test_{i}" for i in range(3)), "test_b.py::test_0",
+                     "test_b.py::test_1", *(f"test_c_ray.py::test_{i}" for i in range(2)), "ENDED built",
+                     "ENDED stack", "ENDED ray_cluster"], plain
 
 
 def test_units_and_their_order() -> None:

@@ -16,6 +16,12 @@ collected (``FileOrRayScheduling.schedule``). Without it (no file), every file i
 xdist's ``loadgroup`` cannot carry this: it tags nodeids through ``Item._nodeid``, which pytest
 9.2 no longer reads (its nodeids came back untagged: one unit per test).
 
+The worker that runs ``RAY_GROUP`` ends the session's Ray fixtures as it leaves the group
+(``pytest_runtest_teardown``), not at the session's end: idle, the cluster and the kvstrata
+services took ~10% of a core (6.2 s of CPU in 60 s, measured) for the rest of the session: in
+CI the group runs first, ~350 s of ~950. Without the grouping (no xdist, ``TEST_WORKERS=0``) the Ray files
+are not contiguous and the fixtures live the whole session.
+
 ``tests/conftest.py`` imports the hooks at the end of this module (``pytest_configure`` ...
 ``pytest_xdist_make_scheduler``); a synthetic suite's conftest can import them alone
 (tests/test_xdist_order.py). Only the order and the grouping change: every test runs, each file whole in one worker."""
@@ -26,7 +32,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,9 @@ RAY_GROUP = "ray-session"
 """The work unit of every file using the session's Ray cluster (``ray_cluster``, ``stack``)."""
 
 RAY_FIXTURES = frozenset({"ray_cluster", "stack"})
+
+RAY_TEARDOWN_ORDER = ("stack", "ray_cluster")
+"""``RAY_FIXTURES`` in the order ``end_ray_fixtures`` finishes them (the services before their cluster)."""
 
 UNITS_DIR_KEY = "kvstrata_units_dir"
 """``workerinput`` key: where a worker writes its ``ray_files`` (``<worker id>.json``)."""
@@ -124,6 +133,36 @@ def write_ray_files(config: pytest.Config, items: Iterable[pytest.Item]) -> None
         os.replace(tmp, target)
 
 
+def groups_ray_files(config: pytest.Config) -> bool:
+    """Whether this process is an xdist worker of a ``make_scheduler`` run: its ``RAY_GROUP``
+    tests come to it together, one after another."""
+    return UNITS_DIR_KEY in getattr(config, "workerinput", {})
+
+
+_RAY_FILES = pytest.StashKey[frozenset[str]]()
+
+
+def leaves_ray_group(item: pytest.Item, nextitem: pytest.Item | None) -> bool:
+    """Whether ``item`` is the last test of ``RAY_GROUP`` this worker runs before ``nextitem``
+    (``None``: the session ends, its teardown ends the fixtures anyway)."""
+    if nextitem is None or not groups_ray_files(item.config):
+        return False
+    if _RAY_FILES not in item.config.stash:
+        item.config.stash[_RAY_FILES] = frozenset(ray_files(item.session.items))
+    files = item.config.stash[_RAY_FILES]
+    return file_of(item.nodeid) in files and file_of(nextitem.nodeid) not in files
+
+
+def end_ray_fixtures(item: pytest.Item) -> None:
+    """Finish the session's ``RAY_FIXTURES`` that are built, and with them every fixture built
+    on them (pytest registered their finalizers on these). Session teardown later finds them
+    finished; a later test asking for one would build it again. Uses pytest's fixture
+    manager and ``FixtureDef.finish`` (internal; checked with pytest 9.2)."""
+    for name in RAY_TEARDOWN_ORDER:
+        for fixturedef in item.session._fixturemanager.getfixturedefs(name, item) or ():
+            fixturedef.finish(item._request)  # type: ignore[attr-defined]
+
+
 def read_ray_files(units_dir: str) -> set[str]:
     """The files every worker wrote (each the same, from the same collection)."""
     files: set[str] = set()
@@ -199,6 +238,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _UNITS_DIR in config.stash:
         shutil.rmtree(config.stash[_UNITS_DIR], ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After ``item``'s own teardown: if it was the last test of ``RAY_GROUP`` in this worker,
+    end the session's Ray fixtures now (``end_ray_fixtures``), not at the session's end."""
+    yield
+    if leaves_ray_group(item, nextitem):
+        end_ray_fixtures(item)
 
 
 @pytest.hookimpl(optionalhook=True)
