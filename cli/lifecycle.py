@@ -418,7 +418,9 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     if SCHEDULER_ACTOR in names:  # first, and gone before the others are listed again: its spill
         # watch creates a dead spill node again (services.spill_recreate). Regression (s38 review):
         # one it created after the list above outlived down (detached), its name and directory taken
-        kill_gone(SCHEDULER_ACTOR, namespace, timeout_s)
+        if not kill_gone(SCHEDULER_ACTOR, namespace, timeout_s):
+            console.print(f"the global scheduler's process did not end within {timeout_s:g} s of its kill: a spill "
+                          f"node it creates again meanwhile may outlive down (`kvstrata status` lists it)")
         names += [name for name in _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
                   if name not in names]
     for name in names:

@@ -15,7 +15,6 @@ so a restart never depends on references the creating driver owned.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -166,14 +165,86 @@ def actor_restarts() -> int:
         return 1
 
 
-def kill_gone(name: str, namespace: str, timeout_s: float) -> None:
-    """Kill actor ``name`` of ``namespace`` and wait (up to ``timeout_s``) until Ray no longer
-    lists it alive (``ray.kill`` returns before the actor is dead); nothing when no actor has
-    that name. ``kvstrata down`` and the launcher kill the global scheduler so before the spill
-    nodes, which its spill watch creates again (``services.spill_recreate``)."""
+def kill_gone(name: str, namespace: str, timeout_s: float) -> bool:
+    """Kill actor ``name`` of ``namespace`` and wait (up to ``timeout_s``) until its worker
+    process has exited; True then, or when no actor has that name; False at ``timeout_s`` (its
+    process may still run). ``kvstrata down`` and the launcher kill the global scheduler so
+    before the spill nodes, which its spill watch creates again (``services.spill_recreate``).
+
+    Ray lists the actor DEAD (``ray.get_actor`` raises) as soon as ``ray.kill`` returns, while
+    its process may run on: a stopped (``SIGSTOP``) or busy one until Ray force-kills it,
+    about 5 s later, and its threads (the spill watch) run on meanwhile once it goes on. So the
+    wait is for the raylet's word that the worker is gone (the GCS worker table's ``is_alive``,
+    set false when the worker's connection to its raylet closed) and, for an actor on this
+    machine, for its process to be gone (the table says so while the process still tears
+    down). Regression (s41): it waited for the DEAD state only; a scheduler ``SIGSTOP``-ed
+    during ``down`` was still a live process when the spill nodes were killed."""
     deadline = time.monotonic() + timeout_s
-    with contextlib.suppress(ValueError):  # gone meanwhile
-        ray.kill(ray.get_actor(name, namespace=namespace))
-        while time.monotonic() < deadline:
-            ray.get_actor(name, namespace=namespace)  # ValueError once it is dead
-            time.sleep(0.05)
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+    except ValueError:  # none of that name alive
+        return True
+    worker_id, pid = _worker(handle)
+    ray.kill(handle)
+    while time.monotonic() < deadline:
+        if not (_alive(name, namespace) or worker_id is not None and _worker_alive(worker_id) or _pid_runs(pid)):
+            return True
+        time.sleep(0.05)
+    log.warning("actor %s of namespace %s killed, but its process did not end within %g s", name, namespace, timeout_s)
+    return False
+
+
+def _alive(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
+def _gcs() -> Any:
+    from ray._private import state  # no public API reads the GCS actor and worker tables
+
+    return state.state._connect_and_get_accessor()
+
+
+def _worker(handle: Any) -> tuple[Any, int | None]:
+    """The worker running ``handle``'s actor now: its id (a ``ray.WorkerID``) and, when it runs on
+    this machine (a Ray node of this process's IP address), its process id; None for what is not
+    known (no worker: pending or restarting; the GCS actor table not readable; another machine)."""
+    from ray.core.generated import gcs_pb2
+
+    try:
+        raw = _gcs().get_actor_info(handle._actor_id)
+    except Exception as exc:  # noqa: BLE001 - an internal API: the DEAD state alone is waited for
+        log.warning("the GCS actor table was not read (%s: %s): waiting for the DEAD state only", type(exc).__name__, exc)
+        return None, None
+    if raw is None:
+        return None, None
+    info = gcs_pb2.ActorTableData.FromString(raw)
+    if not info.address.worker_id:
+        return None, None
+    local = info.address.ip_address == ray.util.get_node_ip_address()  # this machine (one of its Ray nodes)
+    return ray.WorkerID(info.address.worker_id), info.pid if local and info.pid else None
+
+
+def _pid_runs(pid: int | None) -> bool:
+    """Whether process ``pid`` exists and is no zombie (None: not known, False)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # gone (or no /proc: the worker table alone is waited for)
+        return False
+
+
+def _worker_alive(worker_id: Any) -> bool:
+    """Whether the GCS worker table lists ``worker_id`` alive (an unreadable table: alive)."""
+    from ray.core.generated import gcs_pb2
+
+    try:
+        raw = _gcs().get_worker_info(worker_id)
+    except Exception:  # noqa: BLE001 - asked again until the deadline
+        return True
+    return raw is not None and gcs_pb2.WorkerTableData.FromString(raw).is_alive

@@ -200,8 +200,9 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
 
 
 KILL_WAIT_S = 10.0
-"""How long stopping a deployment waits for the global scheduler to be dead before it kills the
-spill nodes (``services.actor_refs.kill_gone``)."""
+"""How long stopping a deployment waits for the global scheduler's process to have exited before
+it kills the spill nodes (``services.actor_refs.kill_gone``; Ray force-kills a process that does
+not end on its own about 5 s after the kill)."""
 
 
 def _kill_placed(placed: dict[str, Any], namespace: str) -> None:
