@@ -55,6 +55,21 @@ still counts as admitted from this gateway (``reconcile``): one it released with
 hearing of it ends UNAVAILABLE within about two of these (two answers in a row missed it; plus
 the queries' answers), never waits for ever."""
 
+SILENT_RUNS = 3
+"""``reconcile`` runs failed in a row (the scheduler unreachable, or not answering within
+``RECONCILE_ASK_TIMEOUT_S``) after which ``end_silent`` ends the streams silent past
+``silent_stream_s``: ``reconcile`` cannot end a released one while no answer comes."""
+
+SILENT_STREAM_S = 60.0
+"""How long a bound stream may get no event from its node (``_Entry.event_at``) while the
+scheduler stays unreachable (``SILENT_RUNS``) before it ends UNAVAILABLE, retryable, and its
+request is aborted on its node (``end_silent``). A stream whose node sends events is never
+ended so, however long the scheduler stays away."""
+
+RECONCILE_ASK_TIMEOUT_S = 30.0
+"""One ``ask_admitted`` query not answered by then fails its ``reconcile`` run (counted towards
+``SILENT_RUNS``): a scheduler that hangs is as unreachable as one that refuses."""
+
 RECONCILE_BATCH = 4096
 """Request ids one query of ``reconcile`` asks about (the scheduler's ``ADMITTED_QUERY_MAX``)."""
 
@@ -97,6 +112,7 @@ class _Entry:
     prompt: tuple[int, ...] = ()  # its prompt's token ids when the gateway knows them (else empty)
     opened_at: float = 0.0  # when ``open`` made it (``clock``): its key was checked before then
     unadmitted: bool = False  # the scheduler's last ``reconcile`` answer did not count it admitted
+    event_at: float = 0.0  # its node's last event here (``clock``; ``bind`` before any): ``end_silent``
 
     def check_prompt_count(self, event: dict[str, Any]) -> None:
         """A request asking for prompt logprobs gets at most one entry per prompt token after
@@ -183,6 +199,9 @@ class NodeStreams:
             this loop is taken off a stream's idle time, the test's clock being all there is).
         reconcile_s: seconds between two ``reconcile`` runs (``ask_admitted`` set: the
             gateway's scheduler query; none while it is None).
+        silent_stream_s: once ``SILENT_RUNS`` runs in a row failed (the scheduler unreachable),
+            a bound stream that got no event from its node this long (seconds) is ended
+            UNAVAILABLE and aborted on its node (``end_silent``), counted in ``silent_ends``.
 
     Every message read is checked, values included (``data_plane.checked_event_items``,
     ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
@@ -200,7 +219,7 @@ class NodeStreams:
                  stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
                  max_queued_bytes_per_node: int = MAX_QUEUED_BYTES_PER_NODE,
-                 reconcile_s: float = RECONCILE_S) -> None:
+                 reconcile_s: float = RECONCILE_S, silent_stream_s: float = SILENT_STREAM_S) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
         self._key_names = security.key_names() if security is not None else {}
@@ -234,6 +253,8 @@ class NodeStreams:
         self.reconcile_s = reconcile_s
         self.reconciled_ends = 0  # streams ended by ``reconcile``
         self._reconcile_failures = 0  # ``reconcile`` runs failed in a row (logged at the first)
+        self.silent_stream_s = silent_stream_s
+        self.silent_ends = 0  # streams ended by ``end_silent``
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
         self.on_scheduler_disconnect: Callable[[], Any] | None = None  # (``_connect_scheduler``)
@@ -670,8 +691,9 @@ class NodeStreams:
         it on its node and the client may retry (a retry hint). A stream closed, ended or
         opened anew meanwhile is left as it is.
 
-        Raises whatever ``ask_admitted`` raises (the scheduler unreachable: nothing is ended),
-        and TypeError for an answer that is not a list of ids.
+        Raises whatever ``ask_admitted`` raises (the scheduler unreachable: nothing is ended
+        here; ``end_silent`` bounds that), asyncio.TimeoutError for a query not answered within
+        ``RECONCILE_ASK_TIMEOUT_S``, and TypeError for an answer that is not a list of ids.
 
         Regression (s40): nothing bounded such a stream's wait but the scheduler's tells,
         tried for up to ~6 minutes: a gateway stalled longer, or one the scheduler could not
@@ -682,7 +704,7 @@ class NodeStreams:
         asked = {rid: entry for rid, entry in self._queues.items() if entry.node_id and not _ended(entry)}
         ids, admitted = list(asked), set()
         for i in range(0, len(ids), RECONCILE_BATCH):
-            answer = await self.ask_admitted(ids[i:i + RECONCILE_BATCH])
+            answer = await asyncio.wait_for(self.ask_admitted(ids[i:i + RECONCILE_BATCH]), RECONCILE_ASK_TIMEOUT_S)
             if not isinstance(answer, (list, tuple)):
                 raise TypeError(f"the scheduler's admitted_from answered a {type(answer).__name__}, not a list")
             admitted.update(rid for rid in answer if isinstance(rid, str))
@@ -706,8 +728,45 @@ class NodeStreams:
                         "(reconcile)", len(ended))
         return ended
 
+    def end_silent(self) -> list[str]:
+        """End with UNAVAILABLE ("retry the request") each stream bound to a node, not ended,
+        that got no event from its node for ``silent_stream_s`` (``_Entry.event_at``; this
+        gateway's own loop stalls not counted: ``_lag_discounted``), and abort its request on
+        its node (its blocks freed whether or not its reader takes the error). Returns their
+        request ids, counted in ``silent_ends``. ``_reconcile_every`` runs it once
+        ``SILENT_RUNS`` runs in a row failed: with the scheduler unreachable, ``reconcile``
+        cannot tell a request it released without an event (it counted this gateway gone)
+        from one still queued on its node, and its stream would wait for as long as the
+        scheduler stays away. A stream whose node sends events (a delta a step) is never ended
+        so: only a silent one, which a live node's running request is not.
+
+        Regression (s41): a gateway that could never reach the scheduler kept such streams
+        (and their clients, and their tenants' stream slots) open until it could."""
+        ended = []
+        now = self.clock()
+        for rid, entry in list(self._queues.items()):
+            if not entry.node_id or _ended(entry):
+                continue
+            silent = self._lag_discounted(now - entry.event_at)
+            if silent < self.silent_stream_s:
+                continue
+            self._put(rid, entry, _unavailable(
+                f"cache node {entry.node_id} sent no event for this request for {silent:.0f} s while the global "
+                f"scheduler could not be reached ({self._reconcile_failures} checks in a row failed), so whether it "
+                f"still runs cannot be known"))
+            self.abort(entry.node_id, rid)
+            ended.append(rid)
+        if ended:
+            self.silent_ends += len(ended)
+            log.warning("gateway data plane: %d streams silent for %g s ended UNAVAILABLE with the scheduler "
+                        "unreachable (%d reconcile runs in a row failed)", len(ended), self.silent_stream_s,
+                        self._reconcile_failures)
+        return ended
+
     async def _reconcile_every(self) -> None:
-        """``reconcile`` every ``reconcile_s``; a failed run is logged at the first of a row."""
+        """``reconcile`` every ``reconcile_s``; a failed run is logged at the first of a row, and
+        from the ``SILENT_RUNS``-th in a row on each failed run ends the streams silent past
+        ``silent_stream_s`` (``end_silent``)."""
         while True:
             await asyncio.sleep(self.reconcile_s)
             try:
@@ -718,6 +777,11 @@ class NodeStreams:
                 if self._reconcile_failures == 1:
                     log.warning("gateway data plane: asking the scheduler which streams it still runs failed "
                                 "(tried again every %g s): %s: %.200s", self.reconcile_s, type(exc).__name__, exc)
+                if self._reconcile_failures >= SILENT_RUNS:
+                    try:
+                        self.end_silent()
+                    except Exception:  # a callback's bug must not end the runs
+                        log.exception("gateway data plane: ending silent streams failed")
 
     def undelivered(self) -> tuple[int, int, int]:
         """(open streams, messages and bytes they hold undelivered)."""
@@ -733,7 +797,7 @@ class NodeStreams:
         only the streams bound to it then: this stream waited forever for events."""
         entry = self._queues.get(request_id)
         if entry is not None:
-            entry.node_id = node_id
+            entry.node_id, entry.event_at = node_id, self.clock()
             self._opens += 1
             if entry.ended_unread and not entry.finished:  # ended before its node was known
                 self.abort(node_id, request_id)
@@ -915,6 +979,7 @@ class NodeStreams:
                                                     f"for a request on {entry.node_id}"))
                 continue
             event = self._counted(entry, event)
+            entry.event_at = self.clock()
             self._put(request_id, entry, event)
             if event.get("prompt_logprobs"):
                 # one step's prompt entries come as several deltas in one frame (~134 KB

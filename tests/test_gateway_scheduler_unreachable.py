@@ -1,0 +1,145 @@
+"""A gateway that can never reach the scheduler (every ``reconcile`` query fails or hangs)
+still ends the streams the scheduler released without telling it, and the silent ones of a
+node that stopped sending, UNAVAILABLE within a bound, aborting them on their node; a stream
+whose node sends events runs on (``NodeStreams.end_silent``). On the real data plane: CURVE
+sockets, a real CacheNode on the tiny Llama, the GlobalScheduler's admission server, the
+gateways' ``NodeStreams``, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from services import gateway_streams
+from services.gateway_streams import SILENT_RUNS, NodeStreams
+from tests.known_tenants import know_tenants
+from tests.loop_plane import LoopPlane, call, wait_for
+from tests.test_gateway_gone import request
+
+RECONCILE_S = 0.2
+SILENT_S = 3.0
+
+
+class Plane(LoopPlane):
+    """Node "n0" whose forward passes wait while ``gate`` is clear, the scheduler, and two
+    gateways (``a``, ``b``) reconciling every ``RECONCILE_S`` with a scheduler they can never
+    reach: each query raises (``a``, ``b``) or, with ``hang`` set, never answers."""
+
+    def __init__(self) -> None:
+        super().__init__(8, "kvstrata-unreachable-")
+        know_tenants(self.scheduler, "t")
+        self.gate = threading.Event()
+        self.gate.set()
+        self.blocked = threading.Event()  # a forward pass waits on the gate
+        execute = self.node.engine.runner.execute
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if not self.gate.is_set():
+                self.blocked.set()
+                self.gate.wait()
+            return execute(*args, **kwargs)
+
+        self.node.engine.runner.execute = gated
+        self.hang = False
+        self.asks = 0
+        self.a, self.b = (NodeStreams({"n0": None}, {"n0": self.node_address}, self.sched_address,
+                                      security=self.keys.security("gateway"), reconcile_s=RECONCILE_S,
+                                      silent_stream_s=SILENT_S) for _ in range(2))
+        for gateway in (self.a, self.b):
+            gateway.ask_admitted = self._unreachable
+            self.run(gateway.start())
+
+    async def _unreachable(self, request_ids: list[str]) -> list[str]:
+        self.asks += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        raise ConnectionError("the scheduler is not reachable")
+
+    def start(self, gateway: NodeStreams, rid: str, max_tokens: int) -> asyncio.Queue[dict[str, Any]]:
+        """Admit ``rid`` through ``gateway`` (its admission socket works: only the query
+        fails), bind it as the gateway's ``_attempt`` does, and wait for its first token."""
+        async def go() -> asyncio.Queue[dict[str, Any]]:
+            queue = gateway.open(rid)
+            adm = await gateway.admit(request(rid, max_tokens), [])
+            assert adm.code == "OK", adm
+            gateway.bind(rid, adm.node_id)
+            while (await asyncio.wait_for(queue.get(), 60))["type"] != "delta":
+                pass
+            return queue
+
+        return self.run(go(), 180)
+
+    def end_event(self, queue: asyncio.Queue[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+        async def end() -> dict[str, Any]:
+            while (event := await asyncio.wait_for(queue.get(), timeout_s))["type"] == "delta":
+                pass
+            return event
+
+        return self.run(end(), timeout_s + 5)
+
+    async def close_gateways(self) -> None:
+        self.a.shutdown()
+        self.b.shutdown()
+
+    def close(self) -> None:
+        self.gate.set()
+        super().close()
+
+
+@pytest.fixture
+def plane() -> Iterator[Plane]:
+    p = Plane()
+    yield p
+    p.close()
+
+
+def test_a_released_stream_ends_while_the_scheduler_stays_unreachable_and_a_sending_one_runs_on(
+        plane: Plane) -> None:
+    """Regression (s41): the scheduler released gateway ``a``'s request untold (it counted
+    ``a`` gone; the node stopped it without an event) and ``a`` never reached the scheduler
+    again: ``reconcile`` failed every run and the stream waited for ever. Now it ends
+    UNAVAILABLE, retryable, once it was silent ``SILENT_S`` and ``SILENT_RUNS`` runs failed;
+    ``b``'s stream, whose node sends a delta a step, runs on past several such bounds."""
+    gone = plane.start(plane.a, "t/a0", max_tokens=600)
+    live = plane.start(plane.b, "t/b0", max_tokens=600)
+    assert plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber)) == ["t/a0"]  # untold
+    t0 = time.monotonic()
+    event = plane.end_event(gone, 20.0)
+    took = time.monotonic() - t0
+    assert (event["type"], event["code"]) == ("error", "UNAVAILABLE"), event
+    assert "sent no event" in event["message"] and event["message"].endswith("retry the request")
+    assert SILENT_S <= took < SILENT_S + SILENT_RUNS * RECONCILE_S + 10.0, took
+    assert plane.a.silent_ends == 1 and plane.a.reconciled_ends == 0
+
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < 2 * SILENT_S:  # b's queries keep failing meanwhile
+        event = plane.run(asyncio.wait_for(live.get(), 10))
+        assert event["type"] == "delta", event
+    assert plane.b._reconcile_failures >= SILENT_RUNS and plane.b.silent_ends == 0
+    assert not plane.b._queues["t/b0"].buffer.ended
+
+
+def test_a_silent_stream_on_a_live_node_ends_and_is_aborted_there_when_the_query_hangs(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's step is stuck (no event comes; the node's inbox still reads commands) and
+    the scheduler's query never answers (bounded by ``RECONCILE_ASK_TIMEOUT_S``, a failed
+    run): the stream ends UNAVAILABLE and its request is aborted on its node at once (its
+    blocks go when the step moves again), not when its reader takes the error."""
+    monkeypatch.setattr(gateway_streams, "RECONCILE_ASK_TIMEOUT_S", 0.1, raising=False)
+    plane.hang = True
+    queue = plane.start(plane.a, "t/stuck", max_tokens=600)
+    plane.gate.clear()
+    assert plane.blocked.wait(30)
+    event = plane.end_event(queue, 40.0)
+    assert (event["type"], event["code"]) == ("error", "UNAVAILABLE"), event
+    assert plane.a.silent_ends == 1
+    assert plane.a._reconcile_failures >= SILENT_RUNS and plane.asks >= SILENT_RUNS
+    # the gateway's abort reached the node while its step was stuck (no reader's ``_attempt`` here)
+    wait_for(lambda: "t/stuck" not in plane.node._streams, 10)
+    plane.gate.set()
+    wait_for(lambda: not plane.node.engine.has_unfinished_requests(), 30)  # its blocks freed
