@@ -202,17 +202,33 @@ class Admin:
         return asyncio.wrap_future(done)
 
     def _run_admin(self) -> None:
-        """Step thread: run the admin calls queued by ``_between_steps``."""
+        """Step thread: run the admin calls queued by ``_between_steps``, then refresh the
+        ``stats`` snapshot, then answer them: a caller that closed a session (or flushed) and
+        then asks ``tenant_blocks`` or ``stats`` sees what its call freed. Regression (s41
+        new-user walkthrough): the answer went out first and the snapshot was refreshed only
+        after the idle wait, so ``GetUsage`` right after ``CloseSession`` still counted the
+        closed session's blocks."""
+        answers: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
         while self._admin:
             call, done = self._admin.popleft()
             try:
-                done.set_result(call())
+                answers.append((done, call(), None))
             except Exception as exc:  # noqa: BLE001 - the caller gets it
-                done.set_exception(exc)
+                answers.append((done, None, exc))
+        try:
+            if answers:
+                self._publish_stats(force=True)
+        finally:  # a failing refresh fails the step loop, never leaves a caller unanswered
+            for done, result, error in answers:
+                if error is None:
+                    done.set_result(result)
+                else:
+                    done.set_exception(error)
 
-    def _publish_stats(self) -> None:
-        """Step thread: refresh the ``stats`` snapshot (at most every ``STATS_EVERY_S``)."""
-        if time.monotonic() - self._stats["time_s"] >= STATS_EVERY_S:
+    def _publish_stats(self, force: bool = False) -> None:
+        """Step thread: refresh the ``stats`` snapshot (at most every ``STATS_EVERY_S`` unless
+        ``force``)."""
+        if force or time.monotonic() - self._stats["time_s"] >= STATS_EVERY_S:
             self._stats = {**self.engine.stats(), "time_s": time.monotonic(),
                            "session_rerenders": self.session_rerenders}
             self._tenant_blocks = self._blocks_by_tenant()
