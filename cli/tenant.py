@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from enum import Enum
+from typing import NoReturn
 
 import grpc
 import typer
@@ -26,9 +27,25 @@ OwnKeyOpt = typer.Option(None, "--api-key", envvar="KVSTRATA_API_KEY", callback=
                          "admin key); prefer KVSTRATA_API_KEY: a command line is visible to every local user")
 
 
+OWN_KEY_HINT = (" (the CLI sent the tenant key of --api-key / KVSTRATA_API_KEY; unset KVSTRATA_API_KEY, "
+                "or run `env -u KVSTRATA_API_KEY kvstrata tenant ...`, to act with the admin key)")
+"""Appended to a PERMISSION_DENIED of ``show`` / ``rotate-key`` sent with a tenant's own key.
+Regression (s41 new-user walkthrough): with ``KVSTRATA_API_KEY`` exported, as the README's
+walkthrough has it, ``tenant show bob`` said only "a tenant key reaches only its own tenant",
+while ``tenant list`` and ``update`` in the same shell acted with the admin key."""
+
+
 def key_metadata(api_key: str | None, gateway: str | None) -> tuple[tuple[str, str], ...]:
     """``api_key`` as gRPC metadata, else the admin key's for ``gateway``."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata(gateway)
+
+
+def fail_own_key(err: grpc.RpcError, api_key: str | None) -> NoReturn:
+    """``fail(err)``, saying which key was sent when a tenant's own key was refused for
+    another tenant (``OWN_KEY_HINT``)."""
+    if api_key and err.code() == grpc.StatusCode.PERMISSION_DENIED:
+        fail(err, lambda line: line + OWN_KEY_HINT)
+    fail(err)
 
 
 class SloClass(str, Enum):
@@ -173,7 +190,7 @@ def tenant_show(
             t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S).tenant
             u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S).usage
         except grpc.RpcError as err:
-            fail(err)
+            fail_own_key(err, api_key)
     console.print(tenant_table(t, u))
 
 
@@ -244,5 +261,5 @@ def tenant_rotate_key(
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
-            fail(err)
+            fail_own_key(err, api_key)
     console.print(f"new API key for {name} (shown once): [bold]{resp.api_key}[/bold]")
