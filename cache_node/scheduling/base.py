@@ -79,8 +79,9 @@ class SchedulingPolicy(ABC):
     Class attributes (switches the ``Scheduler`` reads):
         skip_blocked: a waiting request that cannot get its blocks is passed over (no
             head-of-line blocking) until it has been passed over ``aging_steps`` times;
-            then nothing behind it is admitted until it fits. False: the first request that
-            does not fit ends admission for the step (vLLM/FCFS).
+            then nothing behind it is admitted until it fits but requests of other tenants of
+            its class holding fewer running blocks per weight (``_passes_aged``). False: the
+            first request that does not fit ends admission for the step (vLLM/FCFS).
         preempts_for_class: a waiting request may preempt a running one of a lower class
             when the running slots or the blocks are full.
         swaps_on_preempt: a preempted request's computed blocks are demoted to the host tier

@@ -106,13 +106,19 @@ class WaitingAdmission(Preemption):
                        urgent_only: bool = False, capped: int | None = None) -> None:
         """Admit waiting sequences in policy order. The first one that does not fit either ends
         admission, or (``skip_blocked``) is passed over until it has aged; later ones that do
-        not fit are passed over without aging. ``urgent_only``: interactive ones only.
-        ``capped``: the most tokens non-interactive ones may start with (floor-sized step)."""
+        not fit are passed over without aging. An aged one that does not fit holds the blocks
+        it waits for: after it, only requests of its class whose tenants hold fewer running
+        blocks per unit of weight than its tenant are admitted (``_passes_aged``).
+        ``urgent_only``: interactive ones only. ``capped``: the most tokens non-interactive
+        ones may start with (floor-sized step)."""
         head_blocked = False
+        aged: Sequence | None = None  # the aged request that did not fit, holding the queue
         for seq in order_by_priority(self.policy.order(self.waiting, now)):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if urgent_only and self.policy.rank(seq) > 0:
+                continue
+            if aged is not None and not self._passes_aged(seq, aged):
                 continue
             if seq.grammar is not None and not seq.grammar.ready:  # its grammar compiles; it holds no KV
                 continue
@@ -140,11 +146,40 @@ class WaitingAdmission(Preemption):
                 head_blocked = True
                 if self.policy.passed_over(seq):
                     continue
-                break
+                if not self.policy.skip_blocked:
+                    break
+                aged = seq
+                continue
             self._start(seq, n, batch)
             budget -= n
             if held_back:
                 capped -= n
+
+    def _passes_aged(self, seq: Sequence, aged: Sequence) -> bool:
+        """True when waiting ``seq`` may start although ``aged`` (a request passed over
+        ``aging_steps`` times, ahead of it in policy order) does not fit: ``seq`` is of
+        ``aged``'s class and its tenant, another, holds fewer blocks in running requests per
+        unit of its weight than ``aged``'s tenant does.
+
+        Such a tenant is below the aged tenant's share of the pool, so it never holds the aged
+        request off for good: each request it starts raises its hold, and once it reaches the
+        aged tenant's (which falls as that tenant's running requests end, as none of its new
+        ones start) nothing more passes, and the blocks freed go to the aged request.
+
+        Regression (s41 tenancy, noisy neighbour): the aged request ended admission for every
+        tenant, so a tenant flooding a node with prompts that filled the pool made its own
+        next prompt age, and another tenant's 20-token requests of the same class, which fit,
+        waited behind it until the flooder's running requests ended (tests/slo_sim: first
+        tokens up to 87 steps late; served on a CPU node, the other tenant's TTFT went from
+        12 ms to 6.9 s median, 15 s at most, past its 5 s target)."""
+        if seq.tenant == aged.tenant or self.policy.rank(seq) != self.policy.rank(aged):
+            return False
+        held: dict[str, int] = {seq.tenant: 0, aged.tenant: 0}
+        for s in self.running:
+            if s.tenant in held:
+                held[s.tenant] += s.num_held_blocks
+        share = self.policy.share
+        return held[seq.tenant] / share(seq).weight < held[aged.tenant] / share(aged).weight
 
     def _unwedge(self, batch: ScheduledBatch, budget: int, now: float) -> None:
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
