@@ -10,7 +10,7 @@ import grpc
 import typer
 
 from cli.options import GatewayOpt, positive
-from cli.output import EXIT_USAGE, console, die, fail
+from cli.output import CANCELLED_EXIT_CODE, EXIT_USAGE, console, die, fail
 from cli.state import (
     RPC_TIMEOUT_S,
     admin_metadata,
@@ -129,4 +129,8 @@ def run_deepresearch(
         code = asyncio.run(go())
     except grpc.RpcError as err:  # registering the tenants or asking the scheduler failed
         fail(err)
+    except KeyboardInterrupt:  # Ctrl-C: a registration under way took back what it registered
+        # (register_tenants); the exit code the README gives every command cancelled so (was 1, click's)
+        console.print("cancelled (Ctrl-C)")
+        raise typer.Exit(CANCELLED_EXIT_CODE) from None
     raise typer.Exit(code)

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fcntl
 import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from kvstrata.v1 import common_pb2, tenant_pb2, tenant_pb2_grpc
 from tenants.keys import write_private_file
 from workloads.deepresearch.config import TenantProfile
+
+RPC_TIMEOUT_S = 30.0
+"""The bound of each TenantService call a registration makes (none waits for ever)."""
 
 _CLASSES = {
     "interactive": common_pb2.SLO_CLASS_INTERACTIVE,
@@ -71,6 +77,8 @@ async def register_tenants(
             registered before it are deleted again (best effort), so that no tenant stays
             under a key nobody holds. Regression (s40 diff review r7): they stayed, and the
             next run refused their names as another's (``TenantNameTaken``).
+        asyncio.CancelledError, KeyboardInterrupt: the run was interrupted (Ctrl-C); the same
+            clean-up first, the registration in flight included (``_take_back``).
     """
     stub = tenant_pb2_grpc.TenantServiceStub(channel)
     md = (("authorization", f"Bearer {admin_key}"),)
@@ -83,27 +91,52 @@ async def register_tenants(
             if name in taken and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
                 raise TenantNameTaken(_taken_message(name), registered={})
     keys: dict[str, str] = {}
+    sent: tuple[str, asyncio.Future[Any]] | None = None  # (profile name, its RegisterTenant in flight)
     try:
         for profile in profiles:
             name = f"{profile.name}{name_suffix}"
-            spec = profile_to_spec(profile, name, policy)
+            request = tenant_pb2.RegisterTenantRequest(spec=profile_to_spec(profile, name, policy))
             try:
-                resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
+                sent = (profile.name, asyncio.ensure_future(stub.RegisterTenant(request, metadata=md, timeout=RPC_TIMEOUT_S)))
+                resp = await asyncio.shield(sent[1])  # an interrupt leaves the call to end (``_take_back``)
             except grpc.aio.AioRpcError as err:
+                sent = None
                 if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                     raise
                 if not replace_any and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
                     raise TenantNameTaken(_taken_message(name),  # taken since the check above
                                           registered={f"{p}{name_suffix}": k for p, k in keys.items()}) from None
-                await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md)
-                resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
-            keys[profile.name] = resp.api_key
+                await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S)
+                sent = (profile.name, asyncio.ensure_future(stub.RegisterTenant(request, metadata=md, timeout=RPC_TIMEOUT_S)))
+                resp = await asyncio.shield(sent[1])
+            keys[profile.name], sent = resp.api_key, None
     except TenantNameTaken:
         raise
-    except Exception:  # a registration failed: those before it go again (their keys only in memory)
-        await _unregister(stub, md, [f"{p}{name_suffix}" for p in keys])
+    except BaseException:  # a registration failed, or the run was interrupted (Ctrl-C: CancelledError or
+        # KeyboardInterrupt): those registered go again, the one in flight too once it answers
+        await _take_back(stub, md, keys, sent, name_suffix)
         raise
     return keys
+
+
+async def _take_back(stub: tenant_pb2_grpc.TenantServiceStub, md: tuple, keys: dict[str, str],
+                     sent: tuple[str, asyncio.Future[Any]] | None, name_suffix: str) -> None:
+    """Delete again the tenants of ``keys`` (profile name -> key) and the one whose
+    registration ``sent`` was in flight when the run failed or was interrupted: its answer is
+    awaited first (its own ``RPC_TIMEOUT_S`` bounds it), so a tenant the store registered after
+    the interrupt is known and deleted too; one unanswered within its deadline is left alone
+    (the name may be another's, who registered it meanwhile). Best effort: a delete that fails
+    leaves that tenant.
+
+    Regression (s41): Ctrl-C during ``kvstrata run``'s registrations (CancelledError, not an
+    ``Exception``) skipped the clean-up: the tenants registered so far, and the one whose
+    answer was on its way, stayed under keys nobody had, and the next run refused their names
+    as another's (``TenantNameTaken``) until removed by hand."""
+    if sent is not None:
+        profile, call = sent
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):  # refused: none; unanswered
+            keys[profile] = (await call).api_key  # (past its deadline): not known, left alone (maybe another's)
+    await _unregister(stub, md, [f"{p}{name_suffix}" for p in keys])
 
 
 async def _unregister(stub: tenant_pb2_grpc.TenantServiceStub, md: tuple, names: Iterable[str]) -> list[str]:
@@ -112,7 +145,7 @@ async def _unregister(stub: tenant_pb2_grpc.TenantServiceStub, md: tuple, names:
     left = []
     for name in names:
         try:
-            await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md, timeout=30)
+            await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 left.append(f"{name} ({err.code().name}: {err.details()})")

@@ -1,0 +1,62 @@
+"""Ctrl-C during ``kvstrata run deepresearch``'s tenant registrations removes what the run
+registered, the registration whose answer was on its way included, so the next run registers
+them anew.
+
+Regression (s41): the clean-up of a failed registration (b8f688b) caught ``Exception`` only;
+Ctrl-C (asyncio.run cancels the command's task: ``CancelledError``) skipped it, and the
+tenants registered so far stayed under keys nobody had: the next run refused their names as
+another's (``TenantNameTaken``) until removed by hand.
+
+The real CLI in a subprocess, a real SIGINT, a real gRPC TenantService (``tests.gateway_harness``)
+whose scheduler holds back its answer to the second registration (made in the store) until
+the signal was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from tests.gateway_harness import serve
+
+
+def test_ctrl_c_during_registration_leaves_no_tenant_under_a_key_nobody_holds(tmp_path: Path) -> None:
+    """``kvstrata run deepresearch --tenants 3``: chat registered, analyst registered in the
+    store with its answer held back, SIGINT: the command ends 130 (as the README says of a
+    command cancelled with Ctrl-C; it was click's 1) and neither chat nor analyst is left;
+    indexer was never registered."""
+    with serve(tmp_path / "gateway") as gw:
+        real = gw.scheduler.register_tenant
+        answering, release = threading.Event(), asyncio.Event()
+
+        async def held_back(spec: Any) -> Any:
+            registered = await real(spec)
+            if spec.name == "analyst":
+                answering.set()
+                await release.wait()  # until the Ctrl-C was sent
+            return registered
+
+        gw.scheduler.register_tenant = held_back  # type: ignore[method-assign]
+        env = {**os.environ, "KVSTRATA_ADMIN_KEY": gw.admin_key, "KVSTRATA_STATE_DIR": str(tmp_path / "cli"),
+               "KVSTRATA_GATEWAY": gw.address}
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("kvstrata")), "run", "deepresearch",
+                                 "--tenants", "3", "--gateway", gw.address],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert answering.wait(120), proc.poll()
+            proc.send_signal(signal.SIGINT)
+            threading.Timer(0.3, lambda: gw.loop.call_soon_threadsafe(release.set)).start()
+            output, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        names = {t.spec.name for t in gw.scheduler.store.list()}
+        assert proc.returncode == 130 and "cancelled (Ctrl-C)" in output, (proc.returncode, output)
+        assert not names & {"chat", "analyst", "indexer"}, (names, output)
