@@ -129,13 +129,19 @@ def results_hint(session: str, cache_salt: str = "") -> str:
     """The line after a reply's tool calls: how to send their results back (``--tool-result``).
     The session id and salt are shell-quoted, so the command runs as printed (with ``--tools``
     and ``--tool-result`` filled in). Regression (s37 review r3): the session id was not, so one
-    with a space or a shell character split or changed the command."""
+    with a space or a shell character split or changed the command. It names ``--tool-choice
+    none``: without it the tools' default choice is "auto", which a gateway without
+    ``tool_call_parser`` (the default config) refuses. Regression (s41 new-user walkthrough):
+    the command as printed ended INVALID_ARGUMENT "tool_choice: "auto" ... needs the server's
+    tool call parser" on a plain ``kvstrata up``."""
     if session:
         salt = f" --cache-salt {shlex.quote(cache_salt)}" if cache_salt else ""
         return (f"send each result back with: kvstrata generate --session {shlex.quote(session)}{salt} --tools ... "
-                "--tool-result ID=RESULT (ID=@FILE: the file's text)")
+                "--tool-choice none --tool-result ID=RESULT (ID=@FILE: the file's text; --tool-choice none: the "
+                "model answers in text; auto, which lets it call a tool again, needs the server's tool_call_parser)")
     return ("send each result back with --tool-result ID=RESULT and --messages holding the conversation so far "
-            "with this reply as an assistant message's tool_calls (or continue in a --session)")
+            "with this reply as an assistant message's tool_calls, with --tools and --tool-choice none (or continue "
+            "in a --session)")
 
 
 def generate_request(prompt: str | inference_pb2.ChatMessages, max_tokens: int, temperature: float, session: str,

@@ -83,7 +83,7 @@ def test_a_session_sends_a_tool_result_back_and_the_model_reads_it(served: Any, 
     INVALID_ARGUMENT, on one line naming ``--tool-result``, exit 1."""
     session = "cli-tool-results-s1"
     base, first, call_id, arguments = _first_turn_call(served, session, no_whitespace, files)
-    assert f"kvstrata generate --session {session} --tools ... --tool-result ID=RESULT" in _words(first.output)
+    assert f"kvstrata generate --session {session} --tools ... --tool-choice none --tool-result ID=RESULT" in _words(first.output)
 
     wrong = _invoke([*base, "--tool-choice", "none", "--tool-result", "call_from_elsewhere=sunny, 21"])
     assert wrong.exit_code == 1, wrong.output
