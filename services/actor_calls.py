@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 from services.loop_lag import running_lag, wait_past_stall
@@ -57,13 +58,15 @@ class ActorSilent(Exception):
 
 class _TimedRef:
     """The answer of one call, awaitable once, within ``timeout_s`` (else ``ActorSilent``); at
-    once ``ActorSilent`` when ``silent`` is set (``BoundedActor.silent``)."""
+    once ``ActorSilent`` when ``silent`` is set (``BoundedActor.silent``), and as soon as
+    ``silent_now`` (that callable) says so while it waits."""
 
-    __slots__ = ("_may_apply", "_ref", "_silent", "_timeout_s", "_what")
+    __slots__ = ("_may_apply", "_ref", "_silent", "_silent_now", "_timeout_s", "_what")
 
-    def __init__(self, ref: Any, timeout_s: float, what: str, may_apply: bool = False, silent: str = "") -> None:
+    def __init__(self, ref: Any, timeout_s: float, what: str, may_apply: bool = False, silent: str = "",
+                 silent_now: Callable[[], str] | None = None) -> None:
         self._ref, self._timeout_s, self._what, self._may_apply = ref, timeout_s, what, may_apply
-        self._silent = silent
+        self._silent, self._silent_now = silent, silent_now
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._wait().__await__()
@@ -72,19 +75,59 @@ class _TimedRef:
         if self._silent:  # known silent: the call was not sent (``_BoundedMethod.remote``), nothing to wait for
             raise ActorSilent(self._silent)
         try:
-            answer, _ = await wait_past_stall(asyncio.ensure_future(_awaited(self._ref)), self._timeout_s,
-                                              running_lag(), self._timeout_s)
-            return answer
+            answer, _ = await wait_past_stall(asyncio.ensure_future(_answer_or_silence(self._ref, self._silent_now)),
+                                              self._timeout_s, running_lag(), self._timeout_s)
         except asyncio.TimeoutError:
-            if self._may_apply:
-                raise ActorSilent(f"{self._what} did not answer in {self._timeout_s:g} s; the change was sent and "
-                                  "may still be made when it answers again: check (e.g. kvstrata tenants list / "
-                                  "GetTenant) before you repeat it", may_apply=True) from None
-            raise ActorSilent(f"{self._what} did not answer in {self._timeout_s:g} s") from None
+            raise self._silent_error(f"{self._what} did not answer in {self._timeout_s:g} s") from None
+        if isinstance(answer, _Silence):
+            raise self._silent_error(answer.why)
+        return answer
+
+    def _silent_error(self, why: str) -> ActorSilent:
+        if self._may_apply:
+            return ActorSilent(f"{why}; the change was sent and may still be made when it answers again: check (e.g. "
+                               "kvstrata tenants list / GetTenant) before you repeat it", may_apply=True)
+        return ActorSilent(why)
+
+
+@dataclass(frozen=True)
+class _Silence:
+    """The actor was found silent (``BoundedActor.silent``) before it answered: ``why``."""
+
+    why: str
+
+
+SILENCE_POLL_S = 0.25
+"""How often a waiting call reads ``BoundedActor.silent``."""
+
+
+async def _answer_or_silence(ref: Any, silent_now: Callable[[], str] | None) -> Any:
+    """The call's answer, or ``_Silence`` once ``silent_now`` names the actor silent first: a
+    call in flight when the gateway's monitor finds the scheduler silent ends then, not at its
+    own deadline or the grace after it. Regression (s41, live SIGSTOP of the scheduler on a
+    loaded host): a wait across a 1-s stall of the gateway's own loop got its one more
+    ``timeout_s`` (``wait_past_stall``), so calls sent just before the scheduler was found silent
+    ended 60 s after they began, 30 s after every later call was refused at once."""
+    call = asyncio.ensure_future(_awaited(ref))
+    if silent_now is None:
+        return await call
+    watch = asyncio.ensure_future(_silence(silent_now))
+    try:
+        done, _ = await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return call.result() if call in done else _Silence(watch.result())
+    finally:
+        call.cancel()  # nothing when done
+        watch.cancel()
 
 
 async def _awaited(ref: Any) -> Any:
     return await ref
+
+
+async def _silence(silent_now: Callable[[], str]) -> str:
+    while not (why := silent_now()):
+        await asyncio.sleep(SILENCE_POLL_S)
+    return why
 
 
 class _BoundedMethod:
@@ -100,7 +143,8 @@ class _BoundedMethod:
         silent = actor.silent() if actor.silent is not None else ""
         if silent and self._name not in actor.unawaited:  # known silent: not sent (nothing may apply later)
             return _TimedRef(None, actor._timeout_s, actor._what, False, silent)
-        return _TimedRef(self._method.remote(*args, **kwargs), actor._timeout_s, actor._what, self._may_apply, silent)
+        return _TimedRef(self._method.remote(*args, **kwargs), actor._timeout_s, actor._what, self._may_apply, silent,
+                         actor.silent)
 
 
 class BoundedActor:
