@@ -267,22 +267,25 @@ def test_a_complete_grammar_ends_its_request_short_of_min_tokens(real_model, sha
     assert not eng.requests and not eng.scheduler.has_work()
 
 
-def test_preempted_constrained_request_keeps_its_grammar_state(real_model) -> None:
+def test_preempted_constrained_request_keeps_its_grammar_state(real_model, shared_engine) -> None:
     """A pool so small that the JSON request is preempted and recomputed: its matcher is never
     fed a token twice (the output still parses against the schema) and it equals the run that
-    was never preempted."""
+    was never preempted (on ``shared_engine``: its pool holds both requests)."""
     lm = real_model
     prompt = _prompt(lm, "Give me a person as JSON with a name and an age.")
     params = SamplingParams(max_tokens=40, structured_output=_spec("json_schema", SCHEMA))
-    roomy_engine = _engine(lm)
-    roomy = next(iter(_run(roomy_engine, [prompt], [params]).values()))
+    roomy = next(iter(_run(shared_engine, [prompt], [params]).values()))
+    assert roomy.num_preemptions == 0 and not shared_engine.requests
     other_prompt = _prompt(lm, "Count from one to twenty.")
     blocks = -(-(max(len(prompt), len(other_prompt)) + 40) // 16)  # each fits alone, not both
-    tight = _engine(lm, kv_pool_bytes=blocks * roomy_engine.pool.bytes_per_block)
-    other = SamplingParams(max_tokens=40, ignore_eos=True)
-    tight.grammars.compile(params.structured_output, "", tight.config.cache_namespace_default).result(
-        timeout=300)  # cached for the requests' namespace: both start at once
-    other_out, out = _run(tight, [other_prompt, prompt], [other, params]).values()  # newest: preempted first
+    tight = _engine(lm, kv_pool_bytes=blocks * shared_engine.pool.bytes_per_block)
+    try:
+        other = SamplingParams(max_tokens=40, ignore_eos=True)
+        tight.grammars.compile(params.structured_output, "", tight.config.cache_namespace_default).result(
+            timeout=300)  # cached for the requests' namespace: both start at once
+        other_out, out = _run(tight, [other_prompt, prompt], [other, params]).values()  # newest: preempted first
+    finally:
+        tight.close_structured_output()
     assert out.num_preemptions >= 1 and other_out.finish_reason == "length"
     assert out.output_token_ids == roomy.output_token_ids and out.finish_reason == "stop"
     _check_schema(json.loads(_text(lm, out)))
