@@ -93,26 +93,60 @@ STDERR_LINE_CHARS = 300
 """Longest line logged (longer ones are cut)."""
 
 
-def _forward_stderr(pipe: Any, pid: int, what: str = "grammar compiler", logger: logging.Logger = log) -> None:
+STDERR_TAIL_BYTES = 4096
+"""The last bytes of a child's stderr kept (``StderrTail``): what it wrote just before it died."""
+
+
+class StderrTail:
+    """The last ``STDERR_TAIL_BYTES`` a child wrote to its stderr (``_forward_stderr`` adds them
+    as it reads), and whether its stderr ended (``ended``: the child, and anything that shared
+    its stderr, closed it). Untrusted: the child's own bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tail = b""
+        self.ended = threading.Event()
+
+    def add(self, data: bytes) -> None:
+        with self._lock:
+            self._tail = (self._tail + data)[-STDERR_TAIL_BYTES:]
+
+    def last_lines(self, count: int, wait_s: float = 0.0) -> list[str]:
+        """Its last ``count`` non-blank lines (decoded with replacement, stripped), once its
+        stderr ended or ``wait_s`` seconds passed (a dead child's last words may still be in
+        the pipe)."""
+        self.ended.wait(wait_s)
+        with self._lock:
+            text = self._tail.decode("utf-8", "replace")
+        return [line.strip() for line in text.splitlines() if line.strip()][-count:]
+
+
+def _forward_stderr(pipe: Any, pid: int, what: str = "grammar compiler", logger: logging.Logger = log,
+                    tail: StderrTail | None = None) -> None:
     """Log, on ``logger``, the first ``STDERR_LINES`` lines the child (a ``what`` process: the
     grammar compiler's, the chat renderer's) writes to its stderr, each as one line prefixed
     with its pid (its ``repr``: no forged log line, no control characters), and read the rest
-    to its end (the child never blocks on a full pipe). The pipe is the child's own: it
+    to its end (the child never blocks on a full pipe); everything read is kept in ``tail``
+    (its last bytes), whose ``ended`` is set at the end. The pipe is the child's own: it
     inherited the node's, and once confined a compile that took it over truncated the node's
     log and wrote forged lines to it (review 29i F5)."""
     logged = 0
+    keep = tail.add if tail is not None else (lambda data: None)
     try:
         while logged < STDERR_LINES and (line := pipe.readline(8192)):
+            keep(line)
             text = line.decode("utf-8", "replace").rstrip("\n")[:STDERR_LINE_CHARS]
             logger.warning("%s process %d wrote: %r", what, pid, text)
             logged += 1
             if logged == STDERR_LINES:
                 logger.warning("%s process %d: its further output is not logged", what, pid)
-        while pipe.read1(1 << 20):  # the rest drained in large reads: a child flooding its stderr
-            pass  # costs the node one read per MiB, not one per 8 KiB line (review 29o F5)
+        while chunk := pipe.read1(1 << 20):  # the rest drained in large reads: a child flooding its stderr
+            keep(chunk)  # costs the node one read per MiB, not one per 8 KiB line (review 29o F5)
     except (OSError, ValueError):  # closed under us
         pass
     finally:
+        if tail is not None:
+            tail.ended.set()
         try:
             pipe.close()
         except OSError:
@@ -142,6 +176,7 @@ class Child:
         self.pid = proc.pid
         self.stdin = proc.stdin
         self.stdout = proc.stdout
+        self.stderr_tail = StderrTail()  # its stderr's last bytes (``_forward_stderr`` adds them)
         self._lock = threading.Lock()
         self._pidfd = _pidfd_open(proc.pid)  # (the child cannot be reaped yet: only ``poll`` reaps it)
         self._reaped = False  # ``reap`` ran: never signalled again
@@ -235,7 +270,8 @@ def start_child(argv: tuple[str, ...], workdir: str, env: dict[str, str], what: 
     ``grammar_worker.run_child``), ``env`` (``child_env``'s, with the caller's additions),
     in ``workdir`` (private, ``process_temp.process_temp_dir``), its stdin and stdout pipes
     (stdin non-blocking: every write is under a deadline, ``write_all``) and its stderr a pipe
-    a daemon thread logs on ``logger`` (``_forward_stderr``). A failure past the fork kills
+    a daemon thread logs on ``logger`` (``_forward_stderr``; its last bytes kept in the
+    child's ``stderr_tail``). A failure past the fork kills
     and reaps the child before it is raised (review 29o F5: none is left behind).
 
     Raises:
@@ -247,7 +283,7 @@ def start_child(argv: tuple[str, ...], workdir: str, env: dict[str, str], what: 
     )
     proc = Child(popen)
     try:
-        threading.Thread(target=_forward_stderr, args=(popen.stderr, proc.pid, what, logger),
+        threading.Thread(target=_forward_stderr, args=(popen.stderr, proc.pid, what, logger, proc.stderr_tail),
                          name=f"{what.replace(' ', '-')}-stderr-{proc.pid}", daemon=True).start()
         os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]
     except BaseException:

@@ -33,8 +33,9 @@ per worker thread: ``services.gateway_render``), through ``render_text``: the ch
 text, which the gateway tokenizes itself. Every child caps its memory (``memory_bytes``,
 ``render_worker.MEMORY_BYTES``, before it loads the tokenizer): a render past it fails alone
 (``RenderTooLarge``, a ``TemplateRefusal``: a ``MemoryError`` in its Python, or its abort on a
-tokenizer allocation, SIGABRT) and the child is killed, the next render starting
-a fresh one.
+tokenizer allocation, SIGABRT after "memory allocation of N bytes failed" on its stderr) and the
+child is killed, the next render starting a fresh one; any other death of the child is
+``RenderFailed`` (``_ended``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -483,23 +485,59 @@ class RenderProcess:
 
     def _ended(self, when: str) -> RenderFailed | RenderTooLarge:
         """The child is gone (reaped here): why, as the error of the request it was serving. A
-        death by SIGABRT under a memory cap is an allocation past it (the tokenizer's Rust
-        aborts on one: "memory allocation of N bytes failed"): during a start the cap's
-        (``RenderFailed``), during a render the request's size (``RenderTooLarge``, as a
-        ``MemoryError`` in its Python is). Regression (s40): that render failed INTERNAL, "send this
-        one again" (the server's fault: retried, a fresh child each time), not as its size."""
+        death by SIGABRT under a memory cap whose last words on its stderr
+        (``Child.stderr_tail``, ``_died_of_memory``) were a failed allocation's (the tokenizer's
+        Rust: "memory allocation of N bytes failed"; C++'s ``std::bad_alloc``) is an allocation
+        past the cap: during a start the cap's (``RenderFailed`` naming it), during a render the
+        request's size (``RenderTooLarge``, as a ``MemoryError`` in its Python is). Any other
+        death, SIGABRT included, is this server's: ``RenderFailed`` (INTERNAL, "send this one
+        again"), and the next request gets a fresh child. Regressions: (s40) that render failed
+        INTERNAL, not as its size; (s41) every SIGABRT under the cap was the request's size,
+        an abort that had nothing to do with memory (a library's assertion, a signal from
+        outside) included: its client was told to send less, and did not retry."""
         proc = self.proc
         code = None if proc is None else proc.wait(1.0)
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        if code == -signal.SIGABRT and self.memory_bytes:  # (an allocation of the tokenizer's past the cap)
+        if code == -signal.SIGABRT and self.memory_bytes and proc is not None \
+                and _died_of_memory(proc.stderr_tail.last_lines(_LAST_WORDS, wait_s=1.0)):
             if not self._starting:
                 return self._too_large("rendering them needs more memory than the chat renderer may use (its "
-                                       "process ended: killed by signal 6)")
-            how += f"; most likely past its memory cap of {self.memory_bytes >> 20} MiB while its tokenizer loaded " \
-                   "(render_worker.MEMORY_BYTES)"
+                                       "process ended: an allocation past its cap failed)")
+            how += f"; an allocation past its memory cap of {self.memory_bytes >> 20} MiB failed while its tokenizer " \
+                   "loaded (render_worker.MEMORY_BYTES)"
         return RenderFailed(f"the {self.owner}'s chat renderer process ended {when} ({how}); it is restarted for the "
                             "next request: send this one again")
+
+
+_LAST_WORDS = 40
+"""The last lines of a dead child's stderr ``_died_of_memory`` reads (a fault handler's report
+of the abort, a stack of ~30 lines, may follow the allocation's line)."""
+
+_RUST_ALLOC_FAILED = re.compile(r"memory allocation of \d+ bytes failed")
+_ABORT_REPORTS = ("Fatal Python error: Aborted", "stack backtrace:")
+"""Lines that start a report of the abort itself (Python's fault handler's, Rust's backtrace
+under ``RUST_BACKTRACE``): they and what follows them are left aside."""
+_RUST_NOTE = "note: "
+"""Rust's hint after its allocation failure ("note: run with `RUST_BACKTRACE=1` ...")."""
+
+
+def _died_of_memory(lines: list[str]) -> bool:
+    """Whether a child that died by SIGABRT said a failed allocation was why (``lines``: its
+    stderr's last non-blank lines, ``StderrTail.last_lines``): its last line Rust's "memory
+    allocation of N bytes failed", or one of its last two C++'s ``std::bad_alloc`` (its
+    ``terminate`` report); the reports of the abort itself (``_ABORT_REPORTS`` and what follows)
+    and Rust's trailing notes left aside. Only the words just before its death count: the same
+    words written earlier by a child that went on serving do not. Untrusted bytes, but the
+    child's own: at worst a child that forges them has its render refused as too large."""
+    for report in _ABORT_REPORTS:
+        if report in lines:
+            lines = lines[:len(lines) - 1 - lines[::-1].index(report)]
+    while lines and lines[-1].startswith(_RUST_NOTE):
+        lines = lines[:-1]
+    last = lines[-2:]
+    return bool(last) and (_RUST_ALLOC_FAILED.fullmatch(last[-1]) is not None
+                           or any("std::bad_alloc" in line for line in last))
 
 
 def _chars(messages: Messages, tools: list[dict[str, Any]] | None) -> int:

@@ -29,7 +29,7 @@ from cache_node.sampling_params import SamplingParams
 from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.node_request import NodeRequest
-from services.render_process import RenderProcess
+from services.render_process import RenderProcess, _died_of_memory
 
 CAP_MIB = 140
 BOMB = ({"role": "user", "content": "\U0001F600\u00e9" * 50_000},)
@@ -117,3 +117,53 @@ def test_a_chat_whose_render_hangs_fails_alone_and_a_chat_sent_meanwhile_is_serv
     assert hung[-1]["type"] == "error" and "did not answer within 1 s" in hung[-1]["message"], hung[-1]
     assert output(good) == alone, good[-1]
     assert process.pid not in (None, pid)
+
+
+def test_an_abort_of_the_render_child_not_about_memory_is_internal_and_a_chat_sent_meanwhile_is_served(
+        node: CacheNode) -> None:
+    """The child, under its memory cap, dies by SIGABRT while tenant evil's small chat renders
+    (a signal from outside: nothing about memory, its stderr says no allocation failed), and
+    tenant good's chat is sent meanwhile. Regression (s41): every SIGABRT under the cap was
+    taken for an allocation past it, and evil's chat was refused INVALID_ARGUMENT "messages:
+    rendering them needs more memory" (its client told to send less, not to retry). Now
+    INTERNAL naming the signal, "send this one again"; good's chat is served on a fresh child,
+    its tokens those it gets alone."""
+    process, alone = capped_child(node)
+    pid, starts = process.pid, process.num_starts
+    assert pid is not None
+
+    async def together() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        os.kill(pid, signal.SIGSTOP)  # (held mid-render: the abort lands while it serves evil's chat)
+        aborted = asyncio.create_task(events(node, chat("aborted", "evil", QUESTION)))
+        await asyncio.sleep(0.2)
+        good = asyncio.create_task(events(node, chat("good-with-abort", "good", QUESTION)))
+        await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGABRT)
+        os.kill(pid, signal.SIGCONT)
+        return await aborted, await good
+
+    aborted, good = asyncio.run(together())
+    assert aborted[-1]["type"] == "error", aborted[-1]
+    assert aborted[-1]["code"] == "INTERNAL", aborted[-1]
+    assert "killed by signal 6" in aborted[-1]["message"] and "send this one again" in aborted[-1]["message"]
+    assert "memory" not in aborted[-1]["message"], aborted[-1]
+    assert output(good) == alone, good[-1]
+    assert process.pid not in (None, pid) and process.num_starts == starts + 1
+    assert not node.engine.check_integrity()
+
+
+
+@pytest.mark.parametrize(("lines", "memory"), [
+    (["memory allocation of 17039360 bytes failed",
+      "note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace"], True),  # (as seen above)
+    (["memory allocation of 64 bytes failed", "Fatal Python error: Aborted", "",
+      "Current thread 0x1 (most recent call first):", 'File "x.py", line 1 in render'], True),  # a fault handler's report of the abort after it
+    (["terminate called after throwing an instance of 'std::bad_alloc'", "what():  std::bad_alloc"], True),
+    (["Fatal Python error: Aborted", "Current thread 0x1 (most recent call first):"], False),
+    (["memory allocation of 64 bytes failed", "a later line: it went on"], False),  # not its last words
+    (["chat renderer: the warm-up render was refused (ValueError); going on"], False),
+    ([], False),
+])
+def test_only_a_failed_allocations_last_words_make_an_abort_the_requests_size(lines: list[str],
+                                                                              memory: bool) -> None:
+    assert _died_of_memory([line.strip() for line in lines if line.strip()]) is memory
