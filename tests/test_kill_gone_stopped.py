@@ -62,7 +62,7 @@ def test_kill_gone_waits_for_a_stopped_actors_process_to_exit(ray_cluster) -> No
         gone = kill_gone("stopped-then-continued", NAMESPACE, 30.0)
         state, waited_s = _state(pid), time.monotonic() - started
         assert state in ("Z", "gone"), f"kill_gone returned after {waited_s:.2f} s, its process in state {state}"
-        assert waited_s >= CONTINUE_AFTER_S
+        assert waited_s >= CONTINUE_AFTER_S - 0.1  # the timer started just before the clock
         assert gone is True
     finally:
         timer.cancel()
