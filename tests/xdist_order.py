@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -240,11 +240,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(config.stash[_UNITS_DIR], ignore_errors=True)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    """After ``item``'s own teardown: if it was the last test of ``RAY_GROUP`` in this worker,
-    end the session's Ray fixtures now (``end_ray_fixtures``), not at the session's end."""
-    yield
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After ``item``'s own teardown (pytest's, which ran first and did not raise): if it was
+    the last test of ``RAY_GROUP`` in this worker, end the session's Ray fixtures now
+    (``end_ray_fixtures``), not at the session's end. (A plain ``trylast`` hook, not a
+    ``wrapper=True`` one: the GPU machine's pytest may predate it, and it imports this module.)"""
     if leaves_ray_group(item, nextitem):
         end_ray_fixtures(item)
 
