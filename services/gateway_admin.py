@@ -227,8 +227,14 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.GetTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
     async def ListTenants(self, request, context):
+        """Every tenant, for the admin key. Regression (s41 diff review r1 of fd7d785): the
+        scheduler's call was awaited outside ``_call``, so a store failure (a corrupt tenants
+        table, the store locked after the key check) failed it UNKNOWN "Unexpected <class
+        'sqlite3.DatabaseError'>" (through Ray: with its remote traceback), not per
+        ``services.store_failures``."""
         await fresh_admin(self.auth, context)
-        tenants = await replies.answer(context, "list_tenants", await self.scheduler.list_tenants.remote(), replies.tenants)
+        tenants = await _call(context, self.scheduler.list_tenants.remote(), check=replies.tenants,
+                              method="list_tenants")
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
     @_one_tenant_call

@@ -239,3 +239,35 @@ def test_a_key_check_the_store_fails_is_answered_alike_over_grpc_and_http(tmp_pa
         finally:
             channel.close()
             asyncio.run_coroutine_threadsafe(server.stop(), gw.loop).result(10)
+
+
+def test_list_tenants_the_store_fails_is_data_loss_not_unknown(tmp_path: Path) -> None:
+    """The tenants table's root page overwritten (the admin key's row, in another table, still
+    read): ``ListTenants`` with the admin key fails DATA_LOSS naming tenants.sqlite, as every
+    other admin call, never UNKNOWN "Unexpected <class 'sqlite3.DatabaseError'>".
+
+    Regression (s41 diff review r1 of fd7d785): ``ListTenants`` awaited the scheduler outside
+    ``gateway_admin._call``, so its store failure reached gRPC uncaught."""
+    with serve(tmp_path) as gw:
+        for name in ("ann", "bob"):
+            gw.scheduler.store.register(TenantSpec(name))
+        path = tmp_path / "tenants.sqlite"
+        look = sqlite3.connect(path)
+        root = look.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tenants'").fetchone()[0]
+        page_size = look.execute("PRAGMA page_size").fetchone()[0]
+        look.close()
+        with path.open("r+b") as f:
+            f.seek((root - 1) * page_size)
+            f.write(b"\xff" * 64)
+            f.seek(24)  # the file change counter: the scheduler's connection drops its page cache
+            counter = int.from_bytes(f.read(4), "big")
+            f.seek(24)
+            f.write((counter + 1).to_bytes(4, "big"))
+        with grpc.insecure_channel(gw.address) as channel, pytest.raises(grpc.RpcError) as failed:
+            tenant_pb2_grpc.TenantServiceStub(channel).ListTenants(
+                tenant_pb2.ListTenantsRequest(), metadata=(("authorization", f"Bearer {gw.admin_key}"),), timeout=10)
+    err = failed.value
+    assert err.code() == grpc.StatusCode.DATA_LOSS, (err.code(), err.details())
+    assert "tenants.sqlite" in err.details() and "restore" in err.details(), err.details()
+    assert "Unexpected" not in err.details() and str(tmp_path) not in err.details()
+    assert "retry-after-ms" not in dict(err.trailing_metadata() or ())
