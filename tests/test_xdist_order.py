@@ -139,3 +139,32 @@ def test_units_and_their_order() -> None:
              "tests/test_few2.py": ["tests/test_few2.py::t"]}
     assert longest_first(units) == ["tests/test_kernels_paged_attention.py", "tests/test_many.py",
                                     "tests/test_few.py", "tests/test_few2.py"]
+
+
+def test_a_file_whose_ray_tests_are_deselected_does_not_end_the_ray_fixtures_mid_group(tmp_path: Path) -> None:
+    """``-m 'not chaos'`` (``make test``), ``-k`` or ``--lf`` deselect items after the workers
+    named the Ray files: a file whose only Ray test is deselected is still in the controller's
+    group, between Ray files. Regression (s41 review of 3010abf): the worker read the group from
+    the selected items, so it ended the fixtures as it left test_a_ray.py for that file and
+    built the cluster again for test_c_ray.py (a real cluster and services: ~40-50 s more)."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    chaos: heavy\n")
+    (suite / "conftest.py").write_text(CONFTEST)
+    (suite / "test_a_ray.py").write_text(_tests(2, "ray_cluster"))
+    (suite / "test_b_mixed.py").write_text("import pytest\n\n\n@pytest.mark.chaos\ndef test_ray(stack):\n"
+                                           "    pass\n\n\ndef test_plain():\n    pass\n")
+    (suite / "test_c_ray.py").write_text(_tests(2, "stack"))
+    (suite / "test_d.py").write_text(_tests(1))
+    log = tmp_path / "log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDIST_ORDER_LOG": str(log)}
+    for deselect in (["-m", "not chaos"], ["-k", "not test_ray"]):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", "--dist",
+                            "loadfile", *deselect], check=False, cwd=suite, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+        ran = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
+        log.unlink()
+        assert ran == ["BUILT ray_cluster", "test_a_ray.py::test_0", "test_a_ray.py::test_1",
+                       "test_b_mixed.py::test_plain", "test_c_ray.py::test_0", "test_c_ray.py::test_1", "ENDED stack",
+                       "ENDED ray_cluster", "test_d.py::test_0"], (deselect, ran)

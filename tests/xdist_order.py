@@ -123,13 +123,20 @@ def ray_files(items: Iterable[pytest.Item]) -> list[str]:
     return sorted({file_of(i.nodeid) for i in items if RAY_FIXTURES & set(getattr(i, "fixturenames", ()))})
 
 
+_RAY_FILES = pytest.StashKey[frozenset[str]]()
+"""The ``ray_files`` this worker wrote (``write_ray_files``): what the controller grouped."""
+
+
 def write_ray_files(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
-    """In an xdist worker the controller gave ``UNITS_DIR_KEY``: write ``ray_files`` there."""
+    """In an xdist worker the controller gave ``UNITS_DIR_KEY``: write ``ray_files`` there,
+    and keep them (``leaves_ray_group`` reads the same list)."""
     units_dir = getattr(config, "workerinput", {}).get(UNITS_DIR_KEY)
     if units_dir:
+        files = ray_files(items)
+        config.stash[_RAY_FILES] = frozenset(files)
         target = Path(units_dir) / f"{config.workerinput['workerid']}.json"
         tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ray_files(items)))
+        tmp.write_text(json.dumps(files))
         os.replace(tmp, target)
 
 
@@ -139,15 +146,18 @@ def groups_ray_files(config: pytest.Config) -> bool:
     return UNITS_DIR_KEY in getattr(config, "workerinput", {})
 
 
-_RAY_FILES = pytest.StashKey[frozenset[str]]()
-
-
 def leaves_ray_group(item: pytest.Item, nextitem: pytest.Item | None) -> bool:
     """Whether ``item`` is the last test of ``RAY_GROUP`` this worker runs before ``nextitem``
-    (``None``: the session ends, its teardown ends the fixtures anyway)."""
+    (``None``: the session ends, its teardown ends the fixtures anyway).
+
+    The group is the files ``write_ray_files`` named, as the controller dealt it: they are
+    written before ``-m`` / ``-k`` / ``--lf`` deselect items, so a file whose only Ray tests
+    were deselected is in the group, its selected tests run inside it. Regression (s41
+    review): the files were read from the selected items here, so leaving a Ray file for such
+    a file ended the fixtures mid-group and the next Ray file built the cluster again."""
     if nextitem is None or not groups_ray_files(item.config):
         return False
-    if _RAY_FILES not in item.config.stash:
+    if _RAY_FILES not in item.config.stash:  # a conftest without write_ray_files
         item.config.stash[_RAY_FILES] = frozenset(ray_files(item.session.items))
     files = item.config.stash[_RAY_FILES]
     return file_of(item.nodeid) in files and file_of(nextitem.nodeid) not in files
