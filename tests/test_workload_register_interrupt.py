@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +61,53 @@ def test_ctrl_c_during_registration_leaves_no_tenant_under_a_key_nobody_holds(tm
         names = {t.spec.name for t in gw.scheduler.store.list()}
         assert proc.returncode == 130 and "cancelled (Ctrl-C)" in output, (proc.returncode, output)
         assert not names & {"chat", "analyst", "indexer"}, (names, output)
+
+
+def test_a_second_ctrl_c_stops_the_clean_up(tmp_path: Path) -> None:
+    """Analyst's registration held back and every DeleteTenant unanswered (a gateway gone
+    silent): Ctrl-C, then Ctrl-C again while the clean-up awaits the registration under way:
+    the command ends 130 at once (as the README says: a second Ctrl-C stops the clean-up), not
+    after the deletes' 30-s deadlines; chat, which it had not deleted, stays.
+
+    Regression (s41 diff review r1 of a5dc87e): the clean-up suppressed the second
+    ``CancelledError`` and went on deleting chat, ending 31.7 s after the second Ctrl-C."""
+    with serve(tmp_path / "gateway") as gw:
+        real = gw.scheduler.register_tenant
+        answering, never = threading.Event(), asyncio.Event()
+
+        async def held_back(spec: Any) -> Any:
+            registered = await real(spec)
+            if spec.name == "analyst":
+                answering.set()
+                await never.wait()
+            return registered
+
+        async def unanswered(name: str) -> Any:
+            await never.wait()
+
+        gw.scheduler.register_tenant = held_back  # type: ignore[method-assign]
+        gw.scheduler.delete_tenant = unanswered  # type: ignore[method-assign]
+        env = {**os.environ, "KVSTRATA_ADMIN_KEY": gw.admin_key, "KVSTRATA_STATE_DIR": str(tmp_path / "cli"),
+               "KVSTRATA_GATEWAY": gw.address}
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("kvstrata")), "run", "deepresearch",
+                                 "--tenants", "3", "--gateway", gw.address],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert answering.wait(120), proc.poll()
+            proc.send_signal(signal.SIGINT)
+            time.sleep(2.0)  # the first handled: the clean-up awaits analyst's answer
+            proc.send_signal(signal.SIGINT)
+            second = time.monotonic()
+            try:
+                output, _ = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("still running 15 s after the second Ctrl-C") from None
+            took = time.monotonic() - second
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            gw.loop.call_soon_threadsafe(never.set)
+        assert proc.returncode == 130 and "cancelled (Ctrl-C)" in output, (proc.returncode, output)
+        assert took < 10, (took, output)
+        assert "chat" in {t.spec.name for t in gw.scheduler.store.list()}  # not deleted: it stays

@@ -126,16 +126,23 @@ async def _take_back(stub: tenant_pb2_grpc.TenantServiceStub, md: tuple, keys: d
     awaited first (its own ``RPC_TIMEOUT_S`` bounds it), so a tenant the store registered after
     the interrupt is known and deleted too; one unanswered within its deadline is left alone
     (the name may be another's, who registered it meanwhile). Best effort: a delete that fails
-    leaves that tenant.
+    leaves that tenant. A second interrupt (Ctrl-C again: asyncio.run cancels the task once
+    more) stops the clean-up where it is, the call in flight cancelled, what it had not deleted
+    left (``asyncio.CancelledError`` raised).
 
     Regression (s41): Ctrl-C during ``kvstrata run``'s registrations (CancelledError, not an
     ``Exception``) skipped the clean-up: the tenants registered so far, and the one whose
     answer was on its way, stayed under keys nobody had, and the next run refused their names
-    as another's (``TenantNameTaken``) until removed by hand."""
+    as another's (``TenantNameTaken``) until removed by hand.
+
+    Regression (s41 diff review r1 of a5dc87e): a ``CancelledError`` out of the call in flight
+    was suppressed, so a second Ctrl-C cancelled that call and the clean-up went on deleting,
+    each delete up to its 30-s deadline (a gateway that did not answer: 31.7 s after the second
+    Ctrl-C), where the README says a second Ctrl-C stops it."""
     if sent is not None:
         profile, call = sent
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):  # refused: none; unanswered
-            keys[profile] = (await call).api_key  # (past its deadline): not known, left alone (maybe another's)
+        with contextlib.suppress(grpc.aio.AioRpcError):  # refused: none; unanswered (past its deadline):
+            keys[profile] = (await call).api_key  # not known, left alone (maybe another's)
     await _unregister(stub, md, [f"{p}{name_suffix}" for p in keys])
 
 
