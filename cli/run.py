@@ -130,7 +130,7 @@ def run_deepresearch(
     except grpc.RpcError as err:  # registering the tenants or asking the scheduler failed
         fail(err)
     except KeyboardInterrupt:  # Ctrl-C: a registration under way took back what it registered
-        # (register_tenants); the exit code the README gives every command cancelled so (was 1, click's)
+        # (register_tenants); 130 as every command cancelled so (typer's own exit for it, silent)
         console.print("cancelled (Ctrl-C)")
         raise typer.Exit(CANCELLED_EXIT_CODE) from None
     raise typer.Exit(code)
