@@ -23,12 +23,19 @@ from tests.test_gateway_gone import request
 
 RECONCILE_S = 0.2
 SILENT_S = 3.0
+STEP_S = 0.025
+"""Each forward pass takes at least this long (``Plane``'s ``gated``): a 600-token request
+decodes for 15 s or more on any host. Regression (s41 review r4): unpaced, the live stream
+of ``test_a_released_stream_ends...`` (600 tokens, ~9 s needed) finished in 2.7 s on the
+2-core host at load 6 (220 tokens/s), and the test failed ('finished' where a delta was
+expected); a GPU node is faster still."""
 
 
 class Plane(LoopPlane):
-    """Node "n0" whose forward passes wait while ``gate`` is clear, the scheduler, and two
-    gateways (``a``, ``b``) reconciling every ``RECONCILE_S`` with a scheduler they can never
-    reach: each query raises (``a``, ``b``) or, with ``hang`` set, never answers."""
+    """Node "n0" whose forward passes take ``STEP_S`` at least and wait while ``gate`` is
+    clear, the scheduler, and two gateways (``a``, ``b``) reconciling every ``RECONCILE_S``
+    with a scheduler they can never reach: each query raises (``a``, ``b``) or, with ``hang``
+    set, never answers."""
 
     def __init__(self) -> None:
         super().__init__(8, "kvstrata-unreachable-")
@@ -39,6 +46,7 @@ class Plane(LoopPlane):
         execute = self.node.engine.runner.execute
 
         def gated(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(STEP_S)
             if not self.gate.is_set():
                 self.blocked.set()
                 self.gate.wait()
@@ -104,7 +112,8 @@ def test_a_released_stream_ends_while_the_scheduler_stays_unreachable_and_a_send
     ``a`` gone; the node stopped it without an event) and ``a`` never reached the scheduler
     again: ``reconcile`` failed every run and the stream waited for ever. Now it ends
     UNAVAILABLE, retryable, once it was silent ``SILENT_S`` and ``SILENT_RUNS`` runs failed;
-    ``b``'s stream, whose node sends a delta a step, runs on past several such bounds."""
+    ``b``'s stream, whose node sends a delta a step, runs on past two such bounds (it was
+    open ``SILENT_S`` before ``a``'s ended, and is read ``SILENT_S`` more)."""
     gone = plane.start(plane.a, "t/a0", max_tokens=600)
     live = plane.start(plane.b, "t/b0", max_tokens=600)
     assert plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber)) == ["t/a0"]  # untold
@@ -117,7 +126,7 @@ def test_a_released_stream_ends_while_the_scheduler_stays_unreachable_and_a_send
     assert plane.a.silent_ends == 1 and plane.a.reconciled_ends == 0
 
     t1 = time.monotonic()
-    while time.monotonic() - t1 < 2 * SILENT_S:  # b's queries keep failing meanwhile
+    while time.monotonic() - t1 < SILENT_S:  # b's queries keep failing meanwhile
         event = plane.run(asyncio.wait_for(live.get(), 10))
         assert event["type"] == "delta", event
     assert plane.b._reconcile_failures >= SILENT_RUNS and plane.b.silent_ends == 0
