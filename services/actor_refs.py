@@ -178,16 +178,22 @@ def kill_gone(name: str, namespace: str, timeout_s: float) -> bool:
     set false when the worker's connection to its raylet closed) and, for an actor on this
     machine, for its process to be gone (the table says so while the process still tears
     down). Regression (s41): it waited for the DEAD state only; a scheduler ``SIGSTOP``-ed
-    during ``down`` was still a live process when the spill nodes were killed."""
+    during ``down`` was still a live process when the spill nodes were killed.
+
+    The process is the one the actor table names only when this machine's ``/proc`` shows a
+    Ray process under that pid (``_ray_process``), and the same one while its start time is:
+    a pid of another PID namespace (a container sharing this machine's address) naming some
+    process here, or one taken again after the worker exited, is not waited for. Regression
+    (s41 review): such a process held the wait to ``timeout_s`` and False."""
     deadline = time.monotonic() + timeout_s
     try:
         handle = ray.get_actor(name, namespace=namespace)
     except ValueError:  # none of that name alive
         return True
-    worker_id, pid = _worker(handle)
+    worker_id, process = _worker(handle)
     ray.kill(handle)
     while time.monotonic() < deadline:
-        if not (_alive(name, namespace) or worker_id is not None and _worker_alive(worker_id) or _pid_runs(pid)):
+        if not (_alive(name, namespace) or worker_id is not None and _worker_alive(worker_id) or _runs(process)):
             return True
         time.sleep(0.05)
     log.warning("actor %s of namespace %s killed, but its process did not end within %g s", name, namespace, timeout_s)
@@ -208,10 +214,11 @@ def _gcs() -> Any:
     return state.state._connect_and_get_accessor()
 
 
-def _worker(handle: Any) -> tuple[Any, int | None]:
+def _worker(handle: Any) -> tuple[Any, tuple[int, str] | None]:
     """The worker running ``handle``'s actor now: its id (a ``ray.WorkerID``) and, when it runs on
-    this machine (a Ray node of this process's IP address), its process id; None for what is not
-    known (no worker: pending or restarting; the GCS actor table not readable; another machine)."""
+    this machine (a Ray node of this process's IP address), its process (``_ray_process``); None
+    for what is not known (no worker: pending or restarting; the GCS actor table not readable;
+    another machine, or a pid this machine's ``/proc`` shows no Ray process under)."""
     from ray.core.generated import gcs_pb2
 
     try:
@@ -225,18 +232,39 @@ def _worker(handle: Any) -> tuple[Any, int | None]:
     if not info.address.worker_id:
         return None, None
     local = info.address.ip_address == ray.util.get_node_ip_address()  # this machine (one of its Ray nodes)
-    return ray.WorkerID(info.address.worker_id), info.pid if local and info.pid else None
+    return ray.WorkerID(info.address.worker_id), _ray_process(info.pid) if local and info.pid else None
 
 
-def _pid_runs(pid: int | None) -> bool:
-    """Whether process ``pid`` exists and is no zombie (None: not known, False)."""
-    if pid is None:
-        return False
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from the state on (field 3; the start time, field 22,
+    is index 19); None when there is no such process (or no ``/proc``)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # gone (or no /proc: the worker table alone is waited for)
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _ray_process(pid: int) -> tuple[int, str] | None:
+    """(``pid``, its start time in clock ticks) when this machine's ``/proc`` shows a Ray process
+    under ``pid`` (its command line begins ``ray::``, the title Ray gives its workers), else None:
+    the pid is of another PID namespace, or the worker is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            ray_titled = cmdline.read().startswith(b"ray::")
+    except OSError:
+        return None
+    fields = _stat(pid)
+    return (pid, fields[19]) if ray_titled and fields is not None else None
+
+
+def _runs(process: tuple[int, str] | None) -> bool:
+    """Whether ``process`` (``_ray_process``; None: not known, False) still exists and is no
+    zombie: its pid names a process with its start time, not exited."""
+    if process is None:
         return False
+    fields = _stat(process[0])
+    return fields is not None and fields[19] == process[1] and fields[0] != "Z"
 
 
 def _worker_alive(worker_id: Any) -> bool:

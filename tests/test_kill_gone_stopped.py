@@ -14,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
+from typing import Any
 
+import pytest
 import ray
 
+import services.actor_refs
 from bench.chaos_stack import actor_pid
 from services.actor_refs import kill_gone
 from tests.ray_actors import NameHolder
@@ -83,3 +87,46 @@ def test_kill_gone_says_when_the_process_outlived_its_wait(ray_cluster) -> None:
 def test_kill_gone_of_no_actor_is_done(ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """Nothing of that name: nothing to wait for (True at once)."""
     assert kill_gone("nobody-has-this-name", NAMESPACE, 5.0) is True
+
+
+class _ActorTableNaming:
+    """The GCS accessor, its actor table naming process ``pid`` for every actor (what a
+    ``kvstrata down`` run in another PID namespace than the actor's, at the same address, reads:
+    the pid of the actor's namespace, some other process in its own)."""
+
+    def __init__(self, accessor: Any, pid: int) -> None:
+        self._accessor, self._pid = accessor, pid
+
+    def get_actor_info(self, actor_id: Any) -> bytes | None:
+        from ray.core.generated import gcs_pb2
+
+        raw = self._accessor.get_actor_info(actor_id)
+        if raw is None:
+            return None
+        info = gcs_pb2.ActorTableData.FromString(raw)
+        info.pid = self._pid
+        return info.SerializeToString()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accessor, name)
+
+
+def test_kill_gone_waits_for_no_process_the_actor_table_names_that_is_no_ray_worker(
+        ray_cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Regression (s41 review): the pid the actor table gives is of the actor's PID namespace;
+    where it names another live process here (no Ray worker: another namespace at the same
+    address), kill_gone waited for it to its timeout and said False, the actor long gone."""
+    holder = NameHolder.options(name="foreign-pid", namespace=NAMESPACE, lifetime="detached").remote()
+    assert ray.get(holder.ping.remote(), timeout=60) == "other"
+    other = subprocess.Popen(["sleep", "60"])
+    real = services.actor_refs._gcs
+    monkeypatch.setattr(services.actor_refs, "_gcs", lambda: _ActorTableNaming(real(), other.pid))
+    try:
+        started = time.monotonic()
+        gone = kill_gone("foreign-pid", NAMESPACE, 5.0)
+        waited_s = time.monotonic() - started
+        assert gone is True and waited_s < 4.0, (gone, waited_s)
+        assert other.poll() is None  # the other process runs on: it was no reason to wait
+    finally:
+        other.kill()
+        other.wait()
