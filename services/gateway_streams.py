@@ -64,7 +64,8 @@ SILENT_STREAM_S = 60.0
 """How long a bound stream may get no event from its node (``_Entry.event_at``) while the
 scheduler stays unreachable (``SILENT_RUNS``) before it ends UNAVAILABLE, retryable, and its
 request is aborted on its node (``end_silent``). A stream whose node sends events is never
-ended so, however long the scheduler stays away."""
+ended so, however long the scheduler stays away; a healthy one that gets none that long is
+(queued on its node, preempted, or prefilling a long prompt: see ``end_silent``)."""
 
 RECONCILE_ASK_TIMEOUT_S = 30.0
 """One ``ask_admitted`` query not answered by then fails its ``reconcile`` run (counted towards
@@ -738,7 +739,10 @@ class NodeStreams:
         cannot tell a request it released without an event (it counted this gateway gone)
         from one still queued on its node, and its stream would wait for as long as the
         scheduler stays away. A stream whose node sends events (a delta a step) is never ended
-        so: only a silent one, which a live node's running request is not.
+        so; a healthy request on a live node that sends none that long is ended and aborted
+        too: one queued there (no ``started`` yet), preempted and waiting or recomputing, or
+        prefilling a long prompt (no event comes between ``started`` and its first token,
+        however many chunks its prefill takes), or waiting for its render or its grammar.
 
         Regression (s41): a gateway that could never reach the scheduler kept such streams
         (and their clients, and their tenants' stream slots) open until it could."""
