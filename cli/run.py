@@ -81,6 +81,7 @@ def run_deepresearch(
         register_tenants,
         save_or_unregister,
     )
+    from workloads.deepresearch.register import RPC_TIMEOUT_S as REGISTER_TIMEOUT_S
 
     profiles = demo_tenants(sessions_per_s)[:tenants]
     cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
@@ -106,7 +107,10 @@ def run_deepresearch(
         async with gateway_aio_channel(gateway) as ch:
             try:
                 keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy,
-                                              earlier_keys=load_keys(keys_file, address))
+                                              earlier_keys=load_keys(keys_file, address), on_interrupt=lambda: console.print(
+                                                  "Ctrl-C: removing the tenants this run registered, the one under way "
+                                                  f"once it answers (each call up to {REGISTER_TIMEOUT_S:.0f} s); Ctrl-C "
+                                                  "again to stop"))
             except TenantNameTaken as err:
                 try:
                     await save_or_unregister(ch, admin_key, keys_file, address, err.registered)

@@ -30,8 +30,9 @@ from tests.gateway_harness import serve
 def test_ctrl_c_during_registration_leaves_no_tenant_under_a_key_nobody_holds(tmp_path: Path) -> None:
     """``kvstrata run deepresearch --tenants 3``: chat registered, analyst registered in the
     store with its answer held back, SIGINT: the command ends 130 (as the README says of a
-    command cancelled with Ctrl-C; it was click's 1) and neither chat nor analyst is left;
-    indexer was never registered."""
+    command cancelled with Ctrl-C) and neither chat nor analyst is left; indexer was never
+    registered. The command says, at the Ctrl-C, that it removes them (s41 diff review r1 of
+    a5dc87e: a clean-up waiting on a gateway that does not answer was silent for 61 s)."""
     with serve(tmp_path / "gateway") as gw:
         real = gw.scheduler.register_tenant
         answering, release = threading.Event(), asyncio.Event()
@@ -61,6 +62,7 @@ def test_ctrl_c_during_registration_leaves_no_tenant_under_a_key_nobody_holds(tm
         names = {t.spec.name for t in gw.scheduler.store.list()}
         assert proc.returncode == 130 and "cancelled (Ctrl-C)" in output, (proc.returncode, output)
         assert not names & {"chat", "analyst", "indexer"}, (names, output)
+        assert "Ctrl-C: removing the tenants this run registered" in output, output  # (it may wait: says so)
 
 
 def test_a_second_ctrl_c_stops_the_clean_up(tmp_path: Path) -> None:
@@ -110,4 +112,5 @@ def test_a_second_ctrl_c_stops_the_clean_up(tmp_path: Path) -> None:
             gw.loop.call_soon_threadsafe(never.set)
         assert proc.returncode == 130 and "cancelled (Ctrl-C)" in output, (proc.returncode, output)
         assert took < 10, (took, output)
+        assert "Ctrl-C again to stop" in output, output  # (said at the first Ctrl-C, before the wait)
         assert "chat" in {t.spec.name for t in gw.scheduler.store.list()}  # not deleted: it stays

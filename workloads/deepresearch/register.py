@@ -7,7 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class TenantNameTaken(RuntimeError):
 async def register_tenants(
     channel: grpc.aio.Channel, admin_key: str, profiles: Iterable[TenantProfile], name_suffix: str = "",
     policy: str = "", earlier_keys: Mapping[str, str] | None = None, replace_any: bool = False,
+    on_interrupt: Callable[[], None] | None = None,
 ) -> dict[str, str]:
     """Register each profile as tenant ``<name><name_suffix>``; returns profile name -> API key.
 
@@ -67,6 +68,11 @@ async def register_tenants(
     Every taken name is checked before any tenant is registered or replaced, so a refused run
     changes nothing. Regression (fresh-user trial 24): the run replaced ``chat`` (its key and
     usage gone) before it found ``analyst`` taken and stopped.
+
+    ``on_interrupt``: called (no arguments) when an interrupt starts the clean-up of tenants
+    registered or a registration under way, before it waits for them (the CLI says so: with a
+    gateway that does not answer, each of its calls waits up to ``RPC_TIMEOUT_S``). Regression
+    (s41 diff review r1 of a5dc87e): the CLI said nothing for the 61 s such a clean-up took.
 
     Raises:
         TenantNameTaken: a name is taken by a tenant this workload did not register; nothing
@@ -112,8 +118,10 @@ async def register_tenants(
             keys[profile.name], sent = resp.api_key, None
     except TenantNameTaken:
         raise
-    except BaseException:  # a registration failed, or the run was interrupted (Ctrl-C: CancelledError or
-        # KeyboardInterrupt): those registered go again, the one in flight too once it answers
+    except BaseException as exc:  # a registration failed, or the run was interrupted (Ctrl-C: CancelledError
+        # or KeyboardInterrupt): those registered go again, the one in flight too once it answers
+        if on_interrupt is not None and (keys or sent) and isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
+            on_interrupt()
         await _take_back(stub, md, keys, sent, name_suffix)
         raise
     return keys
