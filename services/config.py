@@ -285,7 +285,8 @@ class ServiceConfig(BaseModel):
     # raised) is created again by the global scheduler's spill watch on the same directory
     # (services.spill_recreate): the first try spill_recreate_backoff_s after it was seen dead,
     # each next one twice as long after the last, at most spill_recreate_max per node within
-    # spill_recreate_window_s (0: never recreated).
+    # spill_recreate_window_s (0: never recreated). One that died only because its owner died
+    # (the scheduler that created it, detached off) is created again at once, not counted.
     spill_recreate_max: int = Field(3, ge=0)
     spill_recreate_window_s: float = Field(3600.0, gt=0)
     spill_recreate_backoff_s: float = Field(5.0, ge=0, le=3600.0)

@@ -14,7 +14,10 @@ Never two live stores on one directory: Ray refuses a second live actor of one n
 node's store takes its directory's lock (``cache_node.tiers.spill_lock``) or waits for its holder
 without serving (``waiting``). The scheduler owns the node it created: with ``detached`` off (the
 node's lifetime as the launcher gave it) the node dies with the scheduler's process, and the
-restarted scheduler's watch creates it again. Bounded: the first recreation is due ``backoff_s`` after the node was
+restarted scheduler's watch creates it again at once, neither backed off nor counted (Ray says
+its owner died: ``spill_watch.died_with_owner``). Regression (s41): it was backed off and
+counted, so ``max_per_window`` scheduler crashes left the spill tier dead for up to ``window_s``.
+A node's own deaths are bounded: the first recreation is due ``backoff_s`` after the node was
 first seen dead, each later one within ``window_s`` waits twice as long as the one before (at most
 ``BACKOFF_MAX_S``), and at most ``max_per_window`` happen per node within ``window_s`` (a node whose
 constructor raises every time is not created for ever). Each one is logged; ``info`` is in
@@ -127,14 +130,21 @@ class SpillRecreator:
             name: deque(sorted(at_s + to_monotonic for at_s in times)) for name, times in (history or {}).items()}
         self._dead_since: dict[str, float] = {}
         self._capped_logged: set[str] = set()
+        self._owner_died: set[str] = set()  # dead only because their owner died: due now, uncounted
+        self.uncounted: dict[str, int] = {}  # of ``totals``, those after an owner's death
 
-    def seen(self, name: str, state: str) -> None:
-        """The watch saw ``name`` in ``state``: a node that serves ends its dead spell."""
+    def seen(self, name: str, state: str, owner_died: bool = False) -> None:
+        """The watch saw ``name`` in ``state``: a node that serves ends its dead spell. A dead
+        node with ``owner_died`` (Ray: its owner died, ``spill_watch.died_with_owner``) is due at
+        once and its next recreation is not counted against the cap."""
         if state == "dead":
             self._dead_since.setdefault(name, self.clock())
+            if owner_died:
+                self._owner_died.add(name)
         elif state == "serving":
             self._dead_since.pop(name, None)
             self._capped_logged.discard(name)
+            self._owner_died.discard(name)
 
     def _window(self, name: str) -> deque[float]:
         recent = self._recent.setdefault(name, deque())
@@ -147,6 +157,8 @@ class SpillRecreator:
         0)."""
         if name not in self._dead_since or self.policy.max_per_window == 0:
             return None
+        if name in self._owner_died:
+            return self._dead_since[name]
         recent = self._window(name)
         if len(recent) >= self.policy.max_per_window:
             return recent[0] + self.policy.window_s
@@ -159,6 +171,8 @@ class SpillRecreator:
         at = self.next_at(name)
         if at is None:
             return False
+        if name in self._owner_died:
+            return True
         if len(self._window(name)) >= self.policy.max_per_window and name not in self._capped_logged:
             self._capped_logged.add(name)
             log.error("spill node %s died again after %d recreations within %g s: not created again for "
@@ -172,9 +186,17 @@ class SpillRecreator:
 
         Raises:
             whatever ``SpillRecipe.create`` raised (counted as a recreation all the same: the next
-            try backs off)."""
-        self._window(name).append(self.clock())
+            try backs off; after an owner's death the next try is counted)."""
         self.totals[name] = self.totals.get(name, 0) + 1
+        if name in self._owner_died:  # not the node's fault: neither capped nor backed off
+            self._owner_died.discard(name)
+            self.uncounted[name] = self.uncounted.get(name, 0) + 1
+            log.warning("spill node %s died with its owner (%s): creating it again on its directory now, not "
+                        "counted against the %d recreations allowed within %g s", name, why,
+                        self.policy.max_per_window, self.policy.window_s)
+            self.handles[name] = self.recipe.create(name)
+            return self.handles[name]
+        self._window(name).append(self.clock())
         if self.on_recreate is not None:
             try:
                 self.on_recreate(name, self.wall_clock())
@@ -187,20 +209,26 @@ class SpillRecreator:
         return self.handles[name]
 
     def info(self, name: str) -> dict[str, Any]:
-        """``recreations`` (since the scheduler started) and, while ``name`` is dead and another
+        """``recreations`` (since the scheduler started), of those ``after_owner_died`` (not
+        counted against the cap; present when > 0) and, while ``name`` is dead and another
         recreation is due, ``next_recreation_s`` (seconds from now)."""
         out: dict[str, Any] = {"recreations": self.totals.get(name, 0)}
+        if self.uncounted.get(name):
+            out["after_owner_died"] = self.uncounted[name]
         at = self.next_at(name)
         if at is not None:
             out["next_recreation_s"] = round(max(at - self.clock(), 0.0), 1)
         return out
 
     def describe(self, name: str) -> str:
-        """"" or "; recreated N times, next try in S s" for ``kvstrata status``."""
+        """"" or "; recreated N times (M after its owner died), next try in S s" for ``kvstrata
+        status``."""
         info = self.info(name)
         if not info["recreations"] and "next_recreation_s" not in info:
             return ""
         text = f"; recreated {info['recreations']} times" if info["recreations"] else ";"
+        if info.get("after_owner_died"):
+            text += f" ({info['after_owner_died']} after its owner died)"
         if "next_recreation_s" in info:
             text += f"{',' if info['recreations'] else ''} next try in {info['next_recreation_s']:g} s"
         return text

@@ -16,7 +16,9 @@ Every ``poll_s`` the watch asks each spill node, by name (``services.actor_refs`
   its cache nodes count each put to it as failed (the host tier's victims are then dropped:
   recomputed from tokens when needed) and each get as a miss. With a ``recreator``
   (``services.spill_recreate``) the watch creates it again, bounded, as the launcher did: the
-  new node reopens its directory's store;
+  new node reopens its directory's store. A node that died because its owner died (the scheduler
+  that created it, ``died_with_owner``) has ``owner_died`` and is created again at once,
+  uncounted;
 - ``recreated``: the watch created it again this round (its next answer says how it is);
 - ``not answering``: no answer within ``timeout_s`` (hung, or not placed);
 - ``unknown``: not asked yet.
@@ -104,6 +106,31 @@ def failed_state(exc: BaseException) -> dict[str, Any]:
     return {"state": "unknown", "detail": f"{type(exc).__name__}: {text}"}
 
 
+def died_with_owner(name: str, namespace: str) -> bool:
+    """Whether Ray records that the newest dead actor named ``name`` in ``namespace`` died because
+    its owner died (``ActorDiedErrorContext.OWNER_DIED``): a spill node the scheduler created
+    again (``detached`` off) dies with the scheduler's process, through no fault of its own.
+    Reads the GCS actor table (all dead actors: one call per dead spell of a node); a table that
+    cannot be read is False (the death counts as the node's own, as before). Blocks: run it off
+    the loop."""
+    try:
+        from ray._private.state import state as ray_state
+        from ray.core.generated.common_pb2 import ActorDiedErrorContext
+        from ray.core.generated.gcs_pb2 import ActorTableData
+
+        dead = [ActorTableData.FromString(row)
+                for row in ray_state._connect_and_get_accessor().get_actor_table(None, "DEAD")]
+        mine = [row for row in dead if row.name == name and row.ray_namespace == namespace]
+        if not mine:
+            return False
+        newest = max(mine, key=lambda row: row.end_time)
+        return newest.death_cause.actor_died_error_context.reason == ActorDiedErrorContext.OWNER_DIED
+    except Exception as exc:  # noqa: BLE001 - another Ray version, the GCS unreachable: counted as its own
+        log.warning("why spill node %s died could not be read from Ray (%s: %s): counted as its own death",
+                    name, type(exc).__name__, printable(str(exc)))
+        return False
+
+
 def describe(state: dict[str, Any]) -> str:
     """One line for ``state`` (``state_of``): "serving", "waiting for its previous process (pid
     ...)", "waiting: held by another store, pid ... (...)", "dead: why", ..."""
@@ -148,6 +175,7 @@ class SpillWatch:
                  recreator: SpillRecreator | None = None) -> None:
         if poll_s <= 0 or timeout_s <= 0 or grace_s < 0:
             raise ValueError(f"poll_s and timeout_s must be > 0 and grace_s >= 0, got {poll_s}, {timeout_s}, {grace_s}")
+        self.namespace = namespace
         self.refs = {name: ActorRef(name, namespace) for name in names}
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.states: dict[str, dict[str, Any]] = {name: {"state": "unknown", "detail": "not asked yet"}
@@ -229,6 +257,9 @@ class SpillWatch:
         if state.get("missing") and before == "unknown" and \
                 time.monotonic() - self.started < self.grace_s:
             return  # not created yet (the launcher starts the scheduler first): not dead yet
+        if state["state"] == "dead" and before != "dead" and self.recreator is not None and \
+                await self._died_with_owner(name):
+            state = state | {"owner_died": True, "detail": f"its owner died; {state.get('detail', '')}"}
         if state["state"] != before:
             (log.info if state["state"] == "serving" else log.warning)(
                 "spill node %s: %s (was %s)", name, describe(state), before)
@@ -239,9 +270,19 @@ class SpillWatch:
         if state["state"] == "serving" and name in self._forgotten:
             await self._back(name, handle)
         if self.recreator is not None:
-            self.recreator.seen(name, state["state"])
+            self.recreator.seen(name, state["state"], owner_died=bool(state.get("owner_died")))
             if state["state"] == "dead" and self.recreator.due(name):
                 await self._recreate(name, state)
+
+    async def _died_with_owner(self, name: str) -> bool:
+        """``died_with_owner`` for ``name``, on the watch's threads within ``timeout_s`` (False
+        when it takes longer)."""
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                self._lookups, died_with_owner, name, self.namespace), self.timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("why spill node %s died was not read from Ray in time: counted as its own death", name)
+            return False
 
     async def _recreate(self, name: str, state: dict[str, Any]) -> None:
         """Create dead node ``name`` again (``SpillRecreator.recreate``, on the watch's threads
