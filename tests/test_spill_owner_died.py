@@ -22,7 +22,7 @@ from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.global_scheduler_recovery import RecoveryPeers
 from services.spill_recreate import RecreatePolicy, SpillRecipe, SpillRecreator
-from tests.test_spill_status import NAMESPACE, POLL_S
+from tests.test_spill_status import NAMESPACE, POLL_S, _indexed
 from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
 
 
@@ -57,8 +57,8 @@ def test_a_spill_node_dead_with_its_scheduler_is_created_again_at_once_uncounted
         tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """The launcher's node killed: the scheduler creates it again, counted, which spends the cap
     (1 per hour). The scheduler's process is killed and Ray restarts it: the node it owned died
-    with it, and the restarted scheduler creates it again at once, its disk blocks served
-    (``recreations`` 1: this process's own). Then the node itself is killed: capped, not created
+    with it, and the restarted scheduler creates it again at once, its disk blocks served and
+    indexed (``recreations`` 1: this process's own). Then the node itself is killed: capped, not created
     again. Before: the restarted scheduler left the node dead, capped ("next try in ~3600 s")."""
     name = f"spill-owner-{tmp_path.name}"[-60:]
     sched_name = f"sched-{name}"[-60:]
@@ -85,6 +85,7 @@ def test_a_spill_node_dead_with_its_scheduler_is_created_again_at_once_uncounted
         assert again._actor_id != node._actor_id
         hits = ray.get(again.get.remote(hashes_of([1, 2])), timeout=30)
         assert hits.hashes == hashes_of([1, 2]) and (hits.blocks == make_blocks([1, 2])).all()
+        assert _indexed(scheduler, 2, tier="spill_disk") == 2  # back in the restarted scheduler's index
 
         ray.kill(again, no_restart=True)  # its own death: counted; the cap (1) was spent before
         state = _node_state(scheduler, name, lambda s: s["state"] == "dead" and "next_recreation_s" in s)
