@@ -130,8 +130,13 @@ class RequestPreparation:
         else:
             tokens = tuple(prompt)
             if vocab and not all(type(t) is int and 0 <= t < vocab for t in tokens):  # regression:
-                # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must lie in [0, {vocab})")
+                # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500;
+                # the message starts with the field (HTTP's ``param``: ``prompt.<index>``; it was
+                # a 400 naming no param, s41 HTTP fuzz)
+                index, bad = next((i, t) for i, t in enumerate(tokens) if not (type(t) is int and 0 <= t < vocab))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt.{index}: token id {bad!r:.40} is outside the vocabulary; token ids "
+                                    f"must lie in [0, {vocab})")
         fill = {}
         if call.fill_context:  # what the context and the pool leave (the node sizes it again
             # from the whole prompt, session history included: regression, every chat call

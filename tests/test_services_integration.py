@@ -138,8 +138,9 @@ def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
                                                      sampling=inference_pb2.SamplingParams(max_tokens=2))
         with pytest.raises(grpc.RpcError) as info:
             collect(gen(out_of_vocab, metadata=k))
-        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                                             "token ids must lie in [0, 49152)")
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt.1: token id {ids[0]} is outside the vocabulary; token ids must lie in [0, 49152)")
     bad = chat("hi", 4)
     bad.sampling.temperature = -1
     assert _code(lambda: collect(gen(bad, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT

@@ -499,7 +499,11 @@ class OpenAIEdge:
 
 def create_app(edge: OpenAIEdge) -> FastAPI:
     """The FastAPI application over ``edge`` (routes listed in the module docstring)."""
-    app = FastAPI(title="kvstrata OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: a path with a trailing slash (``/v1/completions/``) is a 404 in
+    # OpenAI's shape; it was a 307 with an empty body and a ``Location`` built from the client's
+    # Host header (s41 HTTP fuzz)
+    app = FastAPI(title="kvstrata OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.add_middleware(RequestIds)
 
     @app.exception_handler(CallAborted)

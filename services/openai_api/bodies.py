@@ -19,10 +19,12 @@ from typing import Any
 import grpc
 from fastapi import Request
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from services.chat_tools import MAX_TOOL_DEPTH
 from services.convert import MAX_PROMPT_TOKEN_IDS
 from services.openai_api.context import BodyHold, CallAborted
+from services.openai_api.errors import ClientGone
 
 MAX_BODY_BYTES = 8 << 20
 """Largest request body read (bytes): the largest valid request, ``MAX_PROMPT_CHARS`` of text
@@ -153,6 +155,11 @@ async def read_body(request: Request, limit: int, hold: BodyHold | None = None) 
     """The request's body, refused with 413 as soon as it is known to exceed ``limit`` bytes
     (its ``Content-Length``, else the bytes received so far): nothing larger is buffered.
 
+    Raises ``ClientGone`` (answered 499, counted CANCELLED) when the client goes before its body
+    is whole: a ``Content-Length`` or chunked body ending early. Regression (s41 HTTP fuzz):
+    starlette's ``ClientDisconnect`` reached the app's catch-all, logged with its traceback as
+    an internal error (an incident, counted INTERNAL) for a client's fault.
+
     ``hold`` (its tenant's ``BodyBudget``) is grown to the ``Content-Length`` before a byte is
     read, and to the bytes received when more arrive (a chunked body); past the budget
     ``BodyHold.grow_to`` raises ``CallAborted`` (429/503), and the caller releases the hold."""
@@ -162,13 +169,16 @@ async def read_body(request: Request, limit: int, hold: BodyHold | None = None) 
     if hold is not None and declared.isdigit():
         hold.grow_to(int(declared))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"the request body exceeds {limit} bytes")
-        if hold is not None:
-            hold.grow_to(size)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"the request body exceeds {limit} bytes")
+            if hold is not None:
+                hold.grow_to(size)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the body ended early: the client closed its side (or the connection)
+        raise ClientGone from None
     return b"".join(chunks)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import ssl
@@ -25,11 +26,33 @@ from services.openai_api.scope_hooks import (
     marking,
 )
 
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\n"
-            b"connection: close\r\n\r\n")
-_TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
-              b"connection: close\r\n\r\n")
+
+def connection_refusal(status: str, message: str, kind: str, code: str, headers: bytes = b"") -> bytes:
+    """The bytes of a refusal the connection's protocol writes itself, before (or instead of)
+    the app: ``status`` (``"400 Bad Request"``), OpenAI's error JSON (``message``, ``type``
+    ``kind``, ``param`` null, ``code``), ``headers`` (``name: value\\r\\n`` lines) and
+    ``connection: close``.
+
+    Regression (s41 HTTP fuzz): these were a plain-text "Invalid HTTP request received." (a
+    header holding CR, LF, NUL or DEL, a bad chunk size: uvicorn's own 400) and empty 408 /
+    431 / 503 bodies, where a client library reads OpenAI's JSON."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n".encode()
+            + headers + b"connection: close\r\n\r\n" + body)
+
+
+_REFUSED = connection_refusal("503 Service Unavailable", "the server holds as many connections as it takes "
+                              "(from this client's network, or without a valid API key); retry later",
+                              "service_unavailable", "unavailable", b"retry-after: 1\r\n")
+_TIMED_OUT = connection_refusal("408 Request Timeout", "the request's head did not arrive in time",
+                                "invalid_request_error", "request_timeout")
+_TOO_LARGE = connection_refusal("431 Request Header Fields Too Large", "the request's head (its line and "
+                                "headers) is larger than the server takes", "invalid_request_error",
+                                "request_header_fields_too_large")
+_MALFORMED = connection_refusal("400 Bad Request", "malformed HTTP request: its request line, a header (a "
+                                "control character such as CR, LF or NUL in a name or value) or its body's framing "
+                                "(Content-Length, chunked encoding) is not valid HTTP/1.1", "invalid_request_error",
+                                "invalid_argument")
 
 
 def _set_send_buffer(tcp: asyncio.Transport, size: int) -> None:
@@ -401,6 +424,14 @@ class Guarded:
 
     def _serving(self) -> None:
         """The uvicorn protocol has seen the connection (its ``flow`` exists)."""
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses (``msg``, its generic words, is logged
+        by uvicorn): OpenAI's error JSON (``_MALFORMED``), then the connection closes. No reply
+        while a response is under way on the connection: it would land inside that one."""
+        if not self._answering():
+            self.transport.write(_MALFORMED)
+        self.transport.close()
 
     def _close(self, reason: str, reply: bytes) -> None:
         """Close the connection with ``reply``, counted as ``reason``; one already closing is
