@@ -25,9 +25,14 @@ from tests.loop_plane import call, wait_for
 from tests.test_openai_api_choices import PROMPT, Edge
 
 TARGET_MS = 200.0
-SLOW_TOKENS_PER_S = 10.0
-"""The node's prefill meter as the scheduler reads it: ``PROMPT``'s 40 tokens take ~4 s, 20
-times the tenant's interactive target."""
+SLOW_TOKENS_PER_S = 1.0
+"""The node's prefill meter as the scheduler reads it (the slowest a node's report may set):
+``PROMPT``'s 40 tokens take ~40 s, 200 times the tenant's interactive target, and the work
+ahead of a refused body (the scheduler drains its backlog on paper at this speed) is still
+ahead when the body comes seconds later on a loaded host. Regression (s41 review r4): at 10
+tokens/s the blocker's part drained in 4 s (the separate request's uncached part, 8 tokens,
+in 0.8 s), and a body admitted later found nothing ahead: 200, not 429 (seen once in 5 runs
+at load 10; every time with a 4.5 s sleep before the post)."""
 
 
 class SloEdge(Edge):
