@@ -65,3 +65,32 @@ def test_a_tenant_holding_more_than_the_aged_ones_waits_behind_it() -> None:
         s.step()
     assert s.started_order.index("a0") < s.started_order.index("b-short")  # a0 first (same step)
     assert s.finished_step["b-long"] < s.first_token_step["b-short"]  # once b-long freed its blocks
+
+
+def test_tenants_in_rotation_below_the_hold_do_not_take_the_blocks_the_aged_one_waits_for() -> None:
+    """Ten tenants in rotation each send a 40-token request (30 out) a step and each hold fewer
+    blocks than ``a``, whose one running decode ``a0`` holds ~13 of the 128 blocks; ``a``'s
+    1600-token ``a1`` (101 blocks) waits for the blocks the others hold, not for ``a0``'s.
+    Past ``a1`` only requests whose blocks are spare start (the free ones plus ``a0``'s cover
+    ``a1``'s need and theirs), so the pool drains for ``a1``: it starts at step 148 (108 steps
+    after it arrived) beside ``a0``, which is never preempted.
+
+    Regression (s41 review r3 of e6c3505): each of the others, being below ``a``'s hold, passed
+    ``a1``; they kept the pool full, preempted ``a0`` 39 times by their growth (its recomputes
+    raised ``a``'s VTC counter, sending ``a1`` behind all of theirs), and ``a1`` started at
+    step 1753. Before e6c3505 (nothing passed an aged request) it started at step 106."""
+    policy = make_policy("kvstrata")
+    policy.aging_steps = AGING_STEPS
+    tenants = {"a": STANDARD, **{f"b{i}": STANDARD for i in range(10)}}
+    s = Sim(policy, num_blocks=128, budget=256, max_seqs=32, tenants=tenants)
+    s.add("a0", "a", 160, max_tokens=400)
+    s.step()
+    for i in range(300):
+        if s.steps == 40:
+            s.add("a1", "a", 1600, max_tokens=1)
+        s.add(f"b{i}", f"b{i % 10}", 40, max_tokens=30)
+        s.step()
+        if "a1" in s.first_token_step:
+            break
+    assert s.first_token_step.get("a1") == 148
+    assert s.seqs["a0"].num_preemptions == 0 and "a0" not in s.finished_step

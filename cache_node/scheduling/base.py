@@ -80,7 +80,8 @@ class SchedulingPolicy(ABC):
         skip_blocked: a waiting request that cannot get its blocks is passed over (no
             head-of-line blocking) until it has been passed over ``aging_steps`` times;
             then nothing behind it is admitted until it fits but requests of other tenants of
-            its class holding fewer running blocks per weight (``_passes_aged``). False: the
+            its class holding fewer running blocks per weight, with spare blocks
+            (``_passes_aged``). False: the
             first request that does not fit ends admission for the step (vLLM/FCFS).
         preempts_for_class: a waiting request may preempt a running one of a lower class
             when the running slots or the blocks are full.

@@ -39,8 +39,8 @@ the batch (Sarathi-style stall-free batching); in an isolated step only interact
 may join, so a running interactive prefill otherwise takes the whole budget. A request is admitted only when its whole prompt fits the free blocks. Admission passes over
 a request that does not fit (no head-of-line blocking) until it has
 been passed over ``aging_steps`` times; then it holds the queue until it fits, except against
-tenants of its class holding fewer running blocks per weight than its own
-(``WaitingAdmission._passes_aged``). A waiting
+tenants of its class holding fewer running blocks per weight than its own whose blocks are
+spare (``WaitingAdmission._passes_aged``). A waiting
 request preempts a running one of a lower class when slots or blocks are full; the victim is
 the lowest class, then the tenant most over its device quota, then the largest VTC counter,
 then the newest, and only victims whose blocks let it start; a request preempted for a waiting

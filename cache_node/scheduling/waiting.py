@@ -158,13 +158,24 @@ class WaitingAdmission(Preemption):
     def _passes_aged(self, seq: Sequence, aged: Sequence) -> bool:
         """True when waiting ``seq`` may start although ``aged`` (a request passed over
         ``aging_steps`` times, ahead of it in policy order) does not fit: ``seq`` is of
-        ``aged``'s class and its tenant, another, holds fewer blocks in running requests per
-        unit of its weight than ``aged``'s tenant does.
+        ``aged``'s class, its tenant, another, holds fewer blocks in running requests per unit
+        of its weight than ``aged``'s tenant does, and the blocks ``seq`` needs to start are
+        spare: the free blocks plus those ``aged``'s tenant holds in running requests cover
+        ``aged``'s need and ``seq``'s together.
 
         Such a tenant is below the aged tenant's share of the pool, so it never holds the aged
         request off for good: each request it starts raises its hold, and once it reaches the
         aged tenant's (which falls as that tenant's running requests end, as none of its new
-        ones start) nothing more passes, and the blocks freed go to the aged request.
+        ones start) nothing more passes, and the blocks freed go to the aged request. It waits
+        for its own tenant's blocks only: those of other tenants' running requests are not taken
+        from it by passers.
+
+        Regression (s41 review r3 of e6c3505): passers needed only to be below the aged tenant's
+        hold, so when the aged request waited for blocks other tenants held, ten tenants in
+        rotation, each sending a short request a step and each below the hold of the aged
+        tenant's one long decode, kept the pool full: that decode was preempted 39 times by
+        their growth (its recomputes raised its tenant's VTC counter, sending the aged request
+        behind theirs), and the aged request started 1713 steps after it arrived, not 66.
 
         Regression (s41 tenancy, noisy neighbour): the aged request ended admission for every
         tenant, so a tenant flooding a node with prompts that filled the pool made its own
@@ -180,7 +191,12 @@ class WaitingAdmission(Preemption):
             if s.tenant in held:
                 held[s.tenant] += s.num_held_blocks
         share = self.policy.share
-        return held[seq.tenant] / share(seq).weight < held[aged.tenant] / share(aged).weight
+        if held[seq.tenant] / share(seq).weight >= held[aged.tenant] / share(aged).weight:
+            return False
+        # only blocks ``aged`` does not wait for: those past its need once its own tenant's
+        # running requests end (they are what it waits for; the others' are not its to take)
+        spare = self.kv_manager.pool.num_free_blocks() + held[aged.tenant] - self._blocks_to_first_token(aged)
+        return self._blocks_to_first_token(seq) <= spare
 
     def _unwedge(self, batch: ScheduledBatch, budget: int, now: float) -> None:
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
