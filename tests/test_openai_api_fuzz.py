@@ -241,8 +241,10 @@ def encode(body: Any) -> bytes:
 
 
 @st.composite
-def field_mutations(draw: st.DrawFn, model: str) -> tuple[str, Any, str | None, dict[str, Any]]:
-    """A route, a valid body with one field mutated (or dropped), and that field."""
+def field_mutations(draw: st.DrawFn, model: str) -> tuple[str, dict[str, Any], str]:
+    """A route, a valid body with one field mutated (or dropped) and up to two others set to
+    values of their type at or past their bounds (``PLAUSIBLE``: streams with n, logprobs and
+    tools together), and the first field."""
     path = draw(st.sampled_from(sorted(ROUTES)))
     body = ROUTES[path](model)
     field = draw(st.sampled_from(FIELDS + list(body)))
@@ -259,11 +261,13 @@ def field_mutations(draw: st.DrawFn, model: str) -> tuple[str, Any, str | None, 
         body[field] = [item]
     else:
         body[field] = draw(NASTY)
+    for other in draw(st.lists(st.sampled_from(sorted(set(PLAUSIBLE) - {field})), max_size=2, unique=True)):
+        body[other] = draw(PLAUSIBLE[other])
     if body.get("max_tokens") == 4 or "max_tokens" not in body:
         body.setdefault("max_tokens", MAX_TOKENS_CAP)
     if field != "max_completion_tokens":
         body.pop("max_completion_tokens", None)
-    return path, body, field, {}
+    return path, body, field
 
 
 class Edge(Served):
@@ -286,7 +290,9 @@ class Edge(Served):
 
     def assert_all_freed(self) -> None:
         """Nothing runs or waits on the node, the scheduler holds nothing in flight, the gateway
-        no stream, and every pool block is free (cached ones included), its integrity checked."""
+        no stream, and every pool block is free (cached ones included) but those of the sessions
+        a fuzzed body opened (a ``session_id`` a client names holds its history until it is
+        closed or expires, by design), the pool's integrity checked."""
         def idle() -> bool:
             stats = self.node.stats()
             return (stats["running"], stats["waiting"]) == (0, 0) and not self.servicer.streams._pending \
@@ -295,7 +301,7 @@ class Edge(Served):
         wait_for(idle, 10.0)
         stats = self.run(self.node.integrity_stats())
         assert stats["integrity_ok"], stats
-        assert stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"] == 0, stats
+        assert stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"] == stats["session_blocks"], stats
 
     async def close_gateways(self) -> None:
         await self.api.stop()
@@ -341,7 +347,7 @@ def test_fuzzed_body_fields_are_answered_in_shape(edge: Edge, greedy_before: str
     @fuzz_settings(SUITE_EXAMPLES * 3 // 2)
     @given(st.data())
     def run(data: st.DataObject) -> None:
-        path, body, field, _ = data.draw(field_mutations(edge.model))
+        path, body, field = data.draw(field_mutations(edge.model))
         request = raw_request("POST", path, encode(body), auth(edge))
         check_answer(exchange(edge.port, request), f"{path} {field}={str(body.get(field))[:200]!r}", field)
 
