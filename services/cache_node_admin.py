@@ -20,12 +20,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache_node.tiers.spill_api import SpillFlushIncomplete
+from services import data_plane
 
 STATS_EVERY_S = 0.1
 """The step thread refreshes the ``stats`` snapshot at most this often (it walks every block)."""
 
 DRAIN_POLL_S = 0.05
 """How often ``drain`` looks whether the requests it waits for have finished."""
+
+HOLDING_QUERY_MAX = 4096
+"""Request ids one ``holding`` call may ask about (the gateway's ``HOLDING_BATCH``)."""
 
 
 class Admin:
@@ -47,6 +51,26 @@ class Admin:
         """``stats`` taken fresh at the next step boundary, with the pool's integrity checked
         there (``integrity_ok``, ``integrity_error``)."""
         return self._node_stats(await self._between_steps(self._integrity_stats))
+
+    def holding(self, subscriber: str, request_ids: Sequence[str]) -> list[str]:
+        """Those of ``request_ids`` whose stream is open here for the gateway whose event inbox
+        is ``subscriber``: from its arrival (``Streams._open``) until its end is claimed (its
+        last output, an abort, an error event): rendering, compiling its grammar, queued,
+        prefilling, running, preempted and waiting or recomputing all count. Read-only; never
+        waits for a step. A gateway that cannot reach the scheduler asks it about its streams
+        that got no event for a while (``NodeStreams.end_silent``): one not held here gets no
+        event any more.
+
+        Raises ValueError for more than ``HOLDING_QUERY_MAX`` ids or an id that is not a
+        non-empty string of at most ``data_plane.MAX_ID_CHARS`` characters."""
+        if not isinstance(request_ids, (list, tuple)) or len(request_ids) > HOLDING_QUERY_MAX:
+            raise ValueError(f"holding: request_ids must be a list of at most {HOLDING_QUERY_MAX} ids")
+        if not all(isinstance(rid, str) and 0 < len(rid) <= data_plane.MAX_ID_CHARS for rid in request_ids):
+            raise ValueError("holding: each request id must be a non-empty string of at most "
+                             f"{data_plane.MAX_ID_CHARS} characters")
+        with self._streams_lock:
+            return [rid for rid in request_ids
+                    if (stream := self._streams.get(rid)) is not None and stream.subscriber == subscriber]
 
     def tenant_blocks(self, tenant: str) -> dict[str, int]:
         """Pool blocks ``tenant`` holds here as of the last stats snapshot (never waits for a

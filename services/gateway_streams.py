@@ -57,15 +57,23 @@ the queries' answers), never waits for ever."""
 
 SILENT_RUNS = 3
 """``reconcile`` runs failed in a row (the scheduler unreachable, or not answering within
-``RECONCILE_ASK_TIMEOUT_S``) after which ``end_silent`` ends the streams silent past
-``silent_stream_s``: ``reconcile`` cannot end a released one while no answer comes."""
+``RECONCILE_ASK_TIMEOUT_S``) after which ``end_silent`` asks the nodes about the streams silent
+past ``silent_stream_s``: ``reconcile`` cannot end a released one while no answer comes."""
 
-SILENT_STREAM_S = 60.0
+SILENT_STREAM_S = 30.0
 """How long a bound stream may get no event from its node (``_Entry.event_at``) while the
-scheduler stays unreachable (``SILENT_RUNS``) before it ends UNAVAILABLE, retryable, and its
-request is aborted on its node (``end_silent``). A stream whose node sends events is never
-ended so, however long the scheduler stays away; a healthy one that gets none that long is
-(queued on its node, preempted, or prefilling a long prompt: see ``end_silent``)."""
+scheduler stays unreachable (``SILENT_RUNS``) before its node is asked whether it still holds
+its request (``end_silent``); one it no longer holds ends UNAVAILABLE, retryable. One it holds
+(queued, rendering, compiling its grammar, prefilling a long prompt, preempted) stays open
+however long it is silent. The gateway config's ``silent_stream_s``."""
+
+HOLDING_BATCH = 4096
+"""Request ids one ``CacheNode.holding`` call asks about (its ``HOLDING_QUERY_MAX``)."""
+
+HOLDING_ASK_TIMEOUT_S = 10.0
+"""A node's ``holding`` answer not come by then: its silent streams are left as they are this
+run (a node that does not answer is the health monitor's: ``NodeMonitor`` finds it down and
+``fail_node`` ends its streams)."""
 
 RECONCILE_ASK_TIMEOUT_S = 30.0
 """One ``ask_admitted`` query not answered by then fails its ``reconcile`` run (counted towards
@@ -114,6 +122,7 @@ class _Entry:
     opened_at: float = 0.0  # when ``open`` made it (``clock``): its key was checked before then
     unadmitted: bool = False  # the scheduler's last ``reconcile`` answer did not count it admitted
     event_at: float = 0.0  # its node's last event here (``clock``; ``bind`` before any): ``end_silent``
+    unheld: bool = False  # its node's last ``holding`` answer (``end_silent``) did not name it
 
     def check_prompt_count(self, event: dict[str, Any]) -> None:
         """A request asking for prompt logprobs gets at most one entry per prompt token after
@@ -201,8 +210,9 @@ class NodeStreams:
         reconcile_s: seconds between two ``reconcile`` runs (``ask_admitted`` set: the
             gateway's scheduler query; none while it is None).
         silent_stream_s: once ``SILENT_RUNS`` runs in a row failed (the scheduler unreachable),
-            a bound stream that got no event from its node this long (seconds) is ended
-            UNAVAILABLE and aborted on its node (``end_silent``), counted in ``silent_ends``.
+            the node of a bound stream that got no event from it this long (seconds) is asked
+            whether it still holds its request (``ask_holding``); one it no longer holds in two
+            answers in a row ends UNAVAILABLE (``end_silent``), counted in ``silent_ends``.
 
     Every message read is checked, values included (``data_plane.checked_event_items``,
     ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
@@ -256,6 +266,10 @@ class NodeStreams:
         self._reconcile_failures = 0  # ``reconcile`` runs failed in a row (logged at the first)
         self.silent_stream_s = silent_stream_s
         self.silent_ends = 0  # streams ended by ``end_silent``
+        # node id, request ids (at most ``HOLDING_BATCH``) -> those the node still holds for
+        # this gateway (``CacheNode.holding``; ``end_silent``)
+        self.ask_holding: Callable[[str, list[str]], Awaitable[Any]] = self._node_holding
+        self._holding_failed: set[str] = set()  # nodes whose last ``holding`` failed (logged once)
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
         self.on_scheduler_disconnect: Callable[[], Any] | None = None  # (``_connect_scheduler``)
@@ -729,48 +743,99 @@ class NodeStreams:
                         "(reconcile)", len(ended))
         return ended
 
-    def end_silent(self) -> list[str]:
+    async def end_silent(self) -> list[str]:
         """End with UNAVAILABLE ("retry the request") each stream bound to a node, not ended,
         that got no event from its node for ``silent_stream_s`` (``_Entry.event_at``; this
-        gateway's own loop stalls not counted: ``_lag_discounted``), and abort its request on
-        its node (its blocks freed whether or not its reader takes the error). Returns their
-        request ids, counted in ``silent_ends``. ``_reconcile_every`` runs it once
-        ``SILENT_RUNS`` runs in a row failed: with the scheduler unreachable, ``reconcile``
-        cannot tell a request it released without an event (it counted this gateway gone)
-        from one still queued on its node, and its stream would wait for as long as the
-        scheduler stays away. A stream whose node sends events (a delta a step) is never ended
-        so; a healthy request on a live node that sends none that long is ended and aborted
-        too: one queued there (no ``started`` yet), preempted and waiting or recomputing, or
-        prefilling a long prompt (no event comes between ``started`` and its first token,
-        however many chunks its prefill takes), or waiting for its render or its grammar.
+        gateway's own loop stalls not counted: ``_lag_discounted``) and whose request its node
+        no longer holds for this gateway in two answers in a row (``ask_holding``:
+        ``CacheNode.holding``, ``HOLDING_BATCH`` ids a call, each answered within
+        ``HOLDING_ASK_TIMEOUT_S``), and abort it on its node (a no-op there, sent in case).
+        Returns their request ids, counted in ``silent_ends``. ``_reconcile_every`` runs it
+        once ``SILENT_RUNS`` runs in a row failed: with the scheduler unreachable,
+        ``reconcile`` cannot end a request it released without an event (it counted this
+        gateway gone and had its node stop it), and its stream would wait for as long as the
+        scheduler stays away. Two answers: a request that ended just as its node answered has
+        its last event on its way here (a stream that gets an event meanwhile is not silent
+        any more). A request its node still holds keeps its stream open however long it is
+        silent: queued, rendering, compiling its grammar, prefilling a long prompt (no event
+        between ``started`` and its first token), preempted and waiting or recomputing. A
+        node that fails to answer, or is down, is left to the health monitor (``NodeMonitor``
+        finds it down or stalled and ``fail_node`` ends its streams).
 
         Regression (s41): a gateway that could never reach the scheduler kept such streams
-        (and their clients, and their tenants' stream slots) open until it could."""
-        ended = []
+        (and their clients, and their tenants' stream slots) open until it could; then
+        (3522fbe, review r4) every stream silent ``silent_stream_s`` was ended and aborted,
+        healthy ones too: a 1,400-token prompt prefilled in three 2 s chunks was aborted
+        mid-prefill 3 s after ``started`` with a 3 s bound."""
         now = self.clock()
+        silent: dict[str, dict[str, _Entry]] = {}  # node id -> its silent streams
         for rid, entry in list(self._queues.items()):
-            if not entry.node_id or _ended(entry):
+            if entry.node_id and not _ended(entry) and entry.node_id not in self.down \
+                    and self._lag_discounted(now - entry.event_at) >= self.silent_stream_s:
+                silent.setdefault(entry.node_id, {})[rid] = entry
+        answers = await asyncio.gather(*(self._held_on(node_id, list(entries)) for node_id, entries in silent.items()),
+                                       return_exceptions=True)
+        ended = []
+        for (node_id, entries), held in zip(silent.items(), answers):
+            if isinstance(held, BaseException):
+                if node_id not in self._holding_failed:
+                    self._holding_failed.add(node_id)
+                    log.warning("gateway data plane: asking cache node %s which of %d silent streams it still holds "
+                                "failed (left to its health monitor): %s: %.200s", node_id, len(entries),
+                                type(held).__name__, held)
                 continue
-            silent = self._lag_discounted(now - entry.event_at)
-            if silent < self.silent_stream_s:
-                continue
-            self._put(rid, entry, _unavailable(
-                f"cache node {entry.node_id} sent no event for this request for {silent:.0f} s while the global "
-                f"scheduler could not be reached ({self._reconcile_failures} checks in a row failed), so whether it "
-                f"still runs cannot be known"))
-            self.abort(entry.node_id, rid)
-            ended.append(rid)
+            self._holding_failed.discard(node_id)
+            now = self.clock()
+            for rid, entry in entries.items():
+                if self._queues.get(rid) is not entry or _ended(entry):
+                    continue
+                silent_s = self._lag_discounted(now - entry.event_at)
+                if rid in held or silent_s < self.silent_stream_s:  # held, or an event came meanwhile
+                    entry.unheld = False
+                    continue
+                if not entry.unheld:  # the first answer that misses it: ended at the next
+                    entry.unheld = True
+                    continue
+                self._put(rid, entry, _unavailable(
+                    f"cache node {node_id} no longer holds this request and sent no event for it for {silent_s:.0f} s, "
+                    f"while the global scheduler could not be reached ({self._reconcile_failures} checks in a row "
+                    f"failed)"))
+                self.abort(node_id, rid)
+                ended.append(rid)
         if ended:
             self.silent_ends += len(ended)
-            log.warning("gateway data plane: %d streams silent for %g s ended UNAVAILABLE with the scheduler "
-                        "unreachable (%d reconcile runs in a row failed)", len(ended), self.silent_stream_s,
+            log.warning("gateway data plane: %d streams whose nodes no longer hold their requests ended UNAVAILABLE "
+                        "with the scheduler unreachable (%d reconcile runs in a row failed)", len(ended),
                         self._reconcile_failures)
         return ended
+
+    async def _held_on(self, node_id: str, request_ids: list[str]) -> set[str]:
+        """Those of ``request_ids`` that ``node_id`` still holds for this gateway
+        (``ask_holding``, ``HOLDING_BATCH`` ids a call). Raises what ``ask_holding`` raises,
+        asyncio.TimeoutError for a call not answered within ``HOLDING_ASK_TIMEOUT_S``, and
+        TypeError for an answer that is not a list of ids."""
+        held: set[str] = set()
+        for i in range(0, len(request_ids), HOLDING_BATCH):
+            answer = await asyncio.wait_for(self.ask_holding(node_id, request_ids[i:i + HOLDING_BATCH]),
+                                            HOLDING_ASK_TIMEOUT_S)
+            if not isinstance(answer, (list, tuple)):
+                raise TypeError(f"cache node {node_id}'s holding answered a {type(answer).__name__}, not a list")
+            held.update(rid for rid in answer if isinstance(rid, str))
+        return held
+
+    async def _node_holding(self, node_id: str, request_ids: list[str]) -> Any:
+        """``node_id``'s ``CacheNode.holding`` for this gateway's event inbox (``ask_holding``'s
+        default): an actor call, its arguments by keyword. Raises LookupError for a node with
+        no actor handle here, and whatever the call raises."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise LookupError(f"no actor handle for cache node {node_id}")
+        return await node.holding.remote(subscriber=self.subscriber, request_ids=request_ids)
 
     async def _reconcile_every(self) -> None:
         """``reconcile`` every ``reconcile_s``; a failed run is logged at the first of a row, and
         from the ``SILENT_RUNS``-th in a row on each failed run ends the streams silent past
-        ``silent_stream_s`` (``end_silent``)."""
+        ``silent_stream_s`` whose nodes no longer hold their requests (``end_silent``)."""
         while True:
             await asyncio.sleep(self.reconcile_s)
             try:
@@ -783,7 +848,7 @@ class NodeStreams:
                                 "(tried again every %g s): %s: %.200s", self.reconcile_s, type(exc).__name__, exc)
                 if self._reconcile_failures >= SILENT_RUNS:
                     try:
-                        self.end_silent()
+                        await self.end_silent()
                     except Exception:  # a callback's bug must not end the runs
                         log.exception("gateway data plane: ending silent streams failed")
 
