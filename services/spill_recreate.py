@@ -130,7 +130,10 @@ class SpillRecreator:
             name: deque(sorted(at_s + to_monotonic for at_s in times)) for name, times in (history or {}).items()}
         self._dead_since: dict[str, float] = {}
         self._capped_logged: set[str] = set()
-        self._owner_died: set[str] = set()  # dead only because their owner died: due now, uncounted
+        # dead only because their owner died -> when due (monotonic): at once, and after a failed try
+        # backed off as any (``_owner_failures`` of them), never capped nor counted
+        self._owner_died: dict[str, float] = {}
+        self._owner_failures: dict[str, int] = {}
         self.uncounted: dict[str, int] = {}  # of ``totals``, those after an owner's death
 
     def seen(self, name: str, state: str, owner_died: bool = False) -> None:
@@ -140,11 +143,12 @@ class SpillRecreator:
         if state == "dead":
             self._dead_since.setdefault(name, self.clock())
             if owner_died:
-                self._owner_died.add(name)
+                self._owner_died.setdefault(name, self.clock())
         elif state == "serving":
             self._dead_since.pop(name, None)
             self._capped_logged.discard(name)
-            self._owner_died.discard(name)
+            self._owner_died.pop(name, None)
+            self._owner_failures.pop(name, None)
 
     def _window(self, name: str) -> deque[float]:
         recent = self._recent.setdefault(name, deque())
@@ -158,7 +162,7 @@ class SpillRecreator:
         if name not in self._dead_since or self.policy.max_per_window == 0:
             return None
         if name in self._owner_died:
-            return self._dead_since[name]
+            return self._owner_died[name]
         recent = self._window(name)
         if len(recent) >= self.policy.max_per_window:
             return recent[0] + self.policy.window_s
@@ -172,7 +176,7 @@ class SpillRecreator:
         if at is None:
             return False
         if name in self._owner_died:
-            return True
+            return self.clock() >= at
         if len(self._window(name)) >= self.policy.max_per_window and name not in self._capped_logged:
             self._capped_logged.add(name)
             log.error("spill node %s died again after %d recreations within %g s: not created again for "
@@ -186,15 +190,23 @@ class SpillRecreator:
 
         Raises:
             whatever ``SpillRecipe.create`` raised (counted as a recreation all the same: the next
-            try backs off; after an owner's death the next try is counted)."""
+            try backs off; after an owner's death it is neither counted nor capped, and the next
+            try is still one after an owner's death, backed off: regression (s41 review r6), a
+            failed try there made the next one capped, the tier dead for up to ``window_s``)."""
         self.totals[name] = self.totals.get(name, 0) + 1
         if name in self._owner_died:  # not the node's fault: neither capped nor backed off
-            self._owner_died.discard(name)
             self.uncounted[name] = self.uncounted.get(name, 0) + 1
             log.warning("spill node %s died with its owner (%s): creating it again on its directory now, not "
                         "counted against the %d recreations allowed within %g s", name, why,
                         self.policy.max_per_window, self.policy.window_s)
-            self.handles[name] = self.recipe.create(name)
+            try:
+                self.handles[name] = self.recipe.create(name)
+            except Exception:
+                failures = self._owner_failures[name] = self._owner_failures.get(name, 0) + 1
+                self._owner_died[name] = self.clock() + min(self.policy.backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)
+                raise
+            self._owner_died.pop(name, None)
+            self._owner_failures.pop(name, None)
             return self.handles[name]
         self._window(name).append(self.clock())
         if self.on_recreate is not None:

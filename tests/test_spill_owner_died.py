@@ -124,3 +124,36 @@ def test_an_owners_death_is_due_at_once_and_uncounted_an_own_death_is_capped() -
     never = SpillRecreator(Recipe(), RecreatePolicy(0, 1.0, 0.0))  # type: ignore[arg-type]
     never.seen("s0", "dead", owner_died=True)  # 0: never recreated, whatever the cause
     assert not never.due("s0")
+
+
+def test_a_failed_try_after_an_owners_death_backs_off_uncapped() -> None:
+    """A try to create a node dead with its owner that fails (Ray: the name still taken, the GCS
+    unreachable) is retried as one after an owner's death: backed off (``backoff_s``, doubling),
+    neither capped nor stored. Regression (s41 review r6): the failed try cleared the cause, and
+    with the cap spent the next try was due in ~3600 s, the spill tier dead meanwhile."""
+    now = [100.0]
+    fail = [2]
+    stored: list[str] = []
+
+    class Recipe:  # fails its first ``fail[0]`` calls, as Ray refusing a name still taken
+        def create(self, name: str) -> str:
+            if fail[0]:
+                fail[0] -= 1
+                raise ValueError(f"The name {name} (namespace kv) is already taken")
+            return f"handle of {name}"
+
+    recreator = SpillRecreator(Recipe(), RecreatePolicy(1, 3600.0, 5.0), history={"s0": [time.time() - 10.0]},  # type: ignore[arg-type]
+                               on_recreate=lambda name, _at: stored.append(name), clock=lambda: now[0])
+    recreator.seen("s0", "dead", owner_died=True)
+    for wait_s in (5.0, 10.0):  # each failure backs the next try off, doubling
+        assert recreator.due("s0")
+        with pytest.raises(ValueError):
+            recreator.recreate("s0", "dead: its owner died")
+        recreator.seen("s0", "dead")  # the watch's next rounds: still the same dead spell
+        assert not recreator.due("s0") and recreator.next_at("s0") == now[0] + wait_s
+        now[0] += wait_s
+    assert recreator.due("s0") and recreator.recreate("s0", "dead: its owner died") == "handle of s0"
+    assert stored == [] and recreator.info("s0")["after_owner_died"] == 3
+    recreator.seen("s0", "serving")
+    recreator.seen("s0", "dead")  # its own death: the stored recreation still caps it
+    assert not recreator.due("s0") and recreator.next_at("s0") > now[0] + 3500
