@@ -18,6 +18,7 @@ from cache_node.model_geometry import kv_geometry
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_name
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_lock import SpillDirLocked
+from kvstrata.code_path import actor_runtime_env
 from services.actor_refs import ActorRef, kill_gone
 from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
@@ -127,7 +128,9 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     n = config.num_cache_nodes
     node_ids = [f"cache_node_{i}" for i in range(n)]
     state_dir = str(config.state_path)
-    control = {"runtime_env": {"env_vars": dict(config.control_env_vars)}} if config.control_env_vars else {}
+    # every actor imports kvstrata from its installed location, not the driver's directory
+    # (kvstrata.code_path: s41 trial F5)
+    control = {"runtime_env": actor_runtime_env(config.control_env_vars)}
     # data-plane keys for this start, handed to each actor as a constructor argument (a
     # restarted actor gets the same ones); CURVE on every socket (services.data_plane_auth)
     keys, host = DataPlaneKeys.generate(tuple(node_ids)), data_plane_host(config, joined=address is not None)
@@ -160,7 +163,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
                 name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
                 max_restarts=config.cache_node_max_restarts,  # a failed or killed node comes back
                 resources={config.cache_node_resource: 1}, num_gpus=1 if node.device == "cuda" else 0, **life,
-                runtime_env={"env_vars": dict(config.node.env_vars)},
+                runtime_env=actor_runtime_env(config.node.env_vars),
             ).remote(nid, config.node, threads, scheduler_ref, config.session_ttl_s, config.scheduler,
                      spill_refs, spec if spill_nodes else None, keys.security("node", host, nid),
                      metrics=metrics_endpoint(config, config.node_metrics_port))

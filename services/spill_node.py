@@ -56,6 +56,7 @@ from ray.actor import ActorHandle
 from cache_node.tiers.spill_format import BlockFormat, open_regular, write_small_file
 from cache_node.tiers.spill_lock import SpillDirLocked, stored_owner
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
+from kvstrata.code_path import actor_runtime_env
 from services.actor_refs import ActorRef
 from services.block_reports import BlockReporter
 from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
@@ -597,7 +598,7 @@ def create_spill_node(
         max_task_retries=max_task_retries,
         num_cpus=num_cpus,
         lifetime=lifetime,
-        **({"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}),
+        runtime_env=actor_runtime_env(env_vars),  # kvstrata from its installed location (s41 F5)
     )
     sink = BlockReporter(scheduler) if scheduler is not None else None
     owner = f"{namespace if namespace is not None else ray.get_runtime_context().namespace}/{name}"
