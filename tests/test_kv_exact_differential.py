@@ -26,14 +26,21 @@ preemption inside a block; the default workload must reach each (``PROBED``).
 ``EXAMPLES`` examples run here (one full-cache workload, seed 109: a 40-block pool of block size 4
 with host and spill tiers under ``kvstrata``; and one with lossy policies beside the full cache,
 seed 1010; ~15 + ~10 s of CPU);
-``KV_FUZZ_EXAMPLES=N KV_FUZZ_SEED=S`` runs others (N full-cache, N // 2 lossy from S + 1000). Workloads are
-not exactly repeatable: the scheduler's choices read clocks (measured prefill speed, waits).
+``KV_FUZZ_EXAMPLES=N KV_FUZZ_SEED=S`` runs others (N full-cache, N // 2 lossy from S + 1000).
+
+A workload repeats exactly, whatever the host's load (``SimClock``): the scheduler reads a
+simulated clock that moves ``SIM_STEP_S`` a step (its measured prefill speed, step time and
+kvstrata's waits, ages and swap-or-recompute choice), and the spill transfer worker is idle
+before each event and step (each prefetch installs, or misses, before anything else runs; each
+spill put lands before the next request asks). ``KV_FUZZ_REAL_CLOCK=1`` runs them on the real
+clock with the worker racing the steps instead (not repeatable; for hunts).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -54,6 +61,8 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("KV_FUZZ_EXAMPLES", "1"))
 SEED = int(os.environ.get("KV_FUZZ_SEED", "109"))
+REAL_CLOCK = os.environ.get("KV_FUZZ_REAL_CLOCK") == "1"
+SIM_STEP_S = 0.05  # simulated seconds a step takes (``SimClock``)
 LOSSY_SEED = SEED + 1000 if "KV_FUZZ_SEED" in os.environ else 1010  # (1109 finishes no full-cache request)
 MAX_TOKENS = 6
 TIE = 2e-3  # logprob gap under which a greedy pick may flip with the batch's shape (fp32)
@@ -142,6 +151,47 @@ def _engine(lm: LoadedModel, rng: random.Random, tmp: str) -> tuple[LLMEngine, s
     return eng, desc
 
 
+class SimClock:
+    """The scheduler's clock in a workload: ``SIM_STEP_S`` a step (``step`` advances it), the
+    spill transfer worker idle before each step and after each request's arrival (``settle``),
+    so the scheduler's choices are the same on any host at any load.
+
+    Regression (s41 review r5): on the real clock with the worker racing, seed 109's workload
+    reached the three ``PROBED`` paths in one run and none of them in the next, in one process
+    on the shared 2-core host (17 then 16 compared): kvstrata orders waiting requests by the
+    seconds they waited, picks victims by when they last ran, swaps or recomputes by the measured
+    prefill speed, and a request is admitted before or after its spill prefetch installs."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        self.eng, self.now_s = eng, time.monotonic()
+        if REAL_CLOCK:
+            return
+        eng.scheduler.clock = lambda: self.now_s
+        step = eng.step
+
+        def stepped(*args, **kw):  # type: ignore[no-untyped-def]
+            self.settle()
+            self.now_s += SIM_STEP_S
+            outs = step(*args, **kw)
+            self.settle()  # (puts of blocks the step evicted land before the next arrival)
+            return outs
+
+        eng.step = stepped  # type: ignore[method-assign]  (``generate`` steps through it too)
+
+    def settle(self) -> None:
+        """Wait for the transfer worker's queued puts and prefetches to finish."""
+        worker = self.eng.tiers.worker
+        if worker is not None and not REAL_CLOCK:
+            assert worker.wait_idle(30.0), "the spill transfer worker did not finish its jobs in 30 s"
+
+    def arrived(self, request_id: str) -> None:
+        """A request was added: its prefetch lands (or misses) now, and it arrived now."""
+        if REAL_CLOCK:
+            return
+        self.settle()
+        self.eng.requests[request_id].arrival_time_s = self.now_s
+
+
 PROBED = ("restored from spill", "stale copies re-read", "preempted mid-block")
 
 
@@ -212,6 +262,7 @@ def _run_example(lm: LoadedModel, ref: Reference, docs: list[list[int]], seed: i
     rng = random.Random(seed)
     eng, desc = _engine(lm, rng, tmp)
     probes = PathProbes(eng)
+    clock = SimClock(eng)
     live: dict[str, Live] = {}
     history: dict[str, tuple[str, list[int]]] = {}  # session -> (namespace, its tokens)
     problems: list[str] = []
@@ -284,6 +335,7 @@ def _run_example(lm: LoadedModel, ref: Reference, docs: list[list[int]], seed: i
                                       request_id=f"r{n}", cache_namespace=ns, session_id=session, policy=policy)
             except (InvalidRequestError, SessionBusy, PermissionError):
                 continue
+            clock.arrived(rid)
             live[rid] = Live(prompt, max_tokens, ns, session, policy)
             n += 1
         roll = rng.random()
@@ -293,8 +345,8 @@ def _run_example(lm: LoadedModel, ref: Reference, docs: list[list[int]], seed: i
             to_spill = eng.tiers.spill is not None and rng.random() < 0.5
             demoted = eng.demote_all(to_spill=to_spill) > 0
             seen["demotions"] += demoted
-            if to_spill and rng.random() < 0.7:  # its puts land before the next request's prefetch asks
-                eng.tiers.worker.wait_idle()  # type: ignore[union-attr]
+            if to_spill and rng.random() < 0.7:  # the next request reads blocks it put in spill
+                eng.tiers.worker.wait_idle()  # type: ignore[union-attr]  (its puts land first: on the real clock too)
                 spilled = [(ns, whole) for ns, whole in again if len(whole) > eng.config.block_size][-1:]
         elif roll < 0.23:
             fail_next = True
