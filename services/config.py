@@ -210,6 +210,12 @@ class ServiceConfig(BaseModel):
     # below 10 s: the gateway's key cache (10 s; new calls past it ask the scheduler, UNAVAILABLE
     # when it does not answer) stays within it, and one failed refresh (KEY_CHECK_S, 5 s) ends nothing.
     key_staleness_max_s: float = Field(120.0, ge=10.0, le=3600.0)
+    # While the gateway cannot reach the scheduler (3 reconcile queries in a row failed), an
+    # admitted stream that got no event from its node for silent_stream_s has its node asked
+    # whether it still holds the request (services.gateway_streams.NodeStreams.end_silent): one
+    # it no longer holds ends UNAVAILABLE (HTTP 503, retryable); one it holds (queued, prefilling,
+    # preempted, ...) stays open however long it is silent.
+    silent_stream_s: float = Field(30.0, ge=1.0, le=86400.0)
     # Bounds on the gateway's gRPC connections (services.grpc_bounds.GrpcLimits; grpc core's
     # server options). A connection must finish its HTTP/2 handshake within
     # grpc_handshake_timeout_s of its accept; one with no call open for grpc_max_connection_idle_s

@@ -181,7 +181,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         self.streams = NodeStreams(
             nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address,
             security=security, max_undelivered_bytes=limits.max_undelivered_bytes,
-            stream_idle_timeout_s=limits.idle_timeout_s,
+            stream_idle_timeout_s=limits.idle_timeout_s, silent_stream_s=limits.silent_stream_s,
         )
         self.metrics.watch_streams(lambda: self.streams)  # streams ended unread
         self.key_watch = KeyWatch(self.streams, auth,  # streams end when their key is removed

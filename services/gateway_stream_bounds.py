@@ -33,6 +33,13 @@ STREAM_IDLE_TIMEOUT_S = 300.0
 """Longest a stream's undelivered events may wait with its client taking none of them before
 it is ended RESOURCE_EXHAUSTED and its request aborted on its node (``StreamLimits``)."""
 
+SILENT_STREAM_S = 30.0
+"""How long a bound stream may get no event from its node (``gateway_streams._Entry.event_at``) while the
+scheduler stays unreachable (``gateway_streams.SILENT_RUNS``) before its node is asked whether it still holds
+its request (``NodeStreams.end_silent``); one it no longer holds ends UNAVAILABLE, retryable. One it holds
+(queued, rendering, compiling its grammar, prefilling a long prompt, preempted) stays open
+however long it is silent. ``StreamLimits.silent_stream_s``, the gateway config's ``silent_stream_s``."""
+
 TERMINAL = ("finished", "error")
 """Event types that end a stream: nothing after one is kept."""
 
@@ -70,8 +77,8 @@ def event_bytes(event: dict[str, Any]) -> int:
 @dataclass(frozen=True)
 class StreamLimits:
     """What the streams of clients that read slowly or not at all may hold at a gateway
-    (``ServiceConfig``'s ``max_streams_per_tenant``, ``max_undelivered_bytes`` and
-    ``stream_idle_timeout_s``).
+    (``ServiceConfig``'s ``max_streams_per_tenant``, ``max_undelivered_bytes``,
+    ``stream_idle_timeout_s``, ``key_staleness_max_s`` and ``silent_stream_s``).
 
     Attributes:
         max_streams_per_tenant: Generate calls (gRPC or HTTP) a tenant may have open at the
@@ -89,6 +96,9 @@ class StreamLimits:
             (its opening, or the key watch's last key-directory refresh that answered) ends
             UNAVAILABLE at the watch's next check that fails (``KeyWatch``): its key may have
             been removed meanwhile.
+        silent_stream_s: while the scheduler cannot be reached, a stream that got no event
+            from its node this long (seconds) has its node asked whether it still holds its
+            request; one it no longer holds ends UNAVAILABLE (``NodeStreams.end_silent``).
 
     Regression (secrev18 B residue): the first two were constructor arguments alone (a
     deployment could not set them), and nothing ended a stream whose client stopped reading:
@@ -100,9 +110,11 @@ class StreamLimits:
     max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES
     idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
     key_staleness_max_s: float = KEY_STALENESS_MAX_S
+    silent_stream_s: float = SILENT_STREAM_S
 
     def __post_init__(self) -> None:
-        for name in ("max_streams_per_tenant", "max_undelivered_bytes", "idle_timeout_s", "key_staleness_max_s"):
+        for name in ("max_streams_per_tenant", "max_undelivered_bytes", "idle_timeout_s", "key_staleness_max_s",
+                     "silent_stream_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StreamLimits.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -110,7 +122,7 @@ class StreamLimits:
     def of(cls, config: Any) -> StreamLimits:
         """The limits a ``ServiceConfig`` sets."""
         return cls(config.max_streams_per_tenant, config.max_undelivered_bytes, config.stream_idle_timeout_s,
-                   config.key_staleness_max_s)
+                   config.key_staleness_max_s, config.silent_stream_s)
 
 TEXT_PIECES_JOINED = 64
 """A pending delta joins its text pieces into one string each time it holds this many."""

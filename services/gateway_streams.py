@@ -25,6 +25,7 @@ from services.data_plane_auth import Security
 from services.gateway_event_turns import MAX_QUEUED_BYTES_PER_NODE, Behind, SenderTurns
 from services.gateway_stream_bounds import (
     MAX_UNDELIVERED_BYTES,
+    SILENT_STREAM_S,
     STREAM_IDLE_TIMEOUT_S,
     UNBOUND_STREAMS_HELD,
     StreamBuffer,
@@ -59,13 +60,6 @@ SILENT_RUNS = 3
 """``reconcile`` runs failed in a row (the scheduler unreachable, or not answering within
 ``RECONCILE_ASK_TIMEOUT_S``) after which ``end_silent`` asks the nodes about the streams silent
 past ``silent_stream_s``: ``reconcile`` cannot end a released one while no answer comes."""
-
-SILENT_STREAM_S = 30.0
-"""How long a bound stream may get no event from its node (``_Entry.event_at``) while the
-scheduler stays unreachable (``SILENT_RUNS``) before its node is asked whether it still holds
-its request (``end_silent``); one it no longer holds ends UNAVAILABLE, retryable. One it holds
-(queued, rendering, compiling its grammar, prefilling a long prompt, preempted) stays open
-however long it is silent. The gateway config's ``silent_stream_s``."""
 
 HOLDING_BATCH = 4096
 """Request ids one ``CacheNode.holding`` call asks about (its ``HOLDING_QUERY_MAX``)."""

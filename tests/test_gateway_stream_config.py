@@ -63,18 +63,23 @@ def test_the_stream_bounds_are_service_settings_with_bounds(tmp_path: Path) -> N
     """Regression (secrev18 B residue): the two bounds were constructor arguments only and
     there was no idle timeout: a deployment could set none of them. Now a YAML config sets
     all three (``StreamLimits.of``), the defaults match ``StreamLimits``', and values out of
-    range are refused naming the field."""
+    range are refused naming the field. Regression (s41 review r4): ``silent_stream_s``
+    (``NodeStreams.end_silent``) was a constructor argument only; now a setting too."""
     assert StreamLimits.of(ServiceConfig()) == StreamLimits() == StreamLimits(256, 1 << 20, 300.0)
     path = tmp_path / "kvstrata.yaml"
-    path.write_text("max_streams_per_tenant: 8\nmax_undelivered_bytes: 65536\nstream_idle_timeout_s: 30\n")
-    assert StreamLimits.of(load_config(path)) == StreamLimits(8, 65536, 30.0)
+    path.write_text("max_streams_per_tenant: 8\nmax_undelivered_bytes: 65536\nstream_idle_timeout_s: 30\n"
+                    "silent_stream_s: 45\n")
+    assert StreamLimits.of(load_config(path)) == StreamLimits(8, 65536, 30.0, silent_stream_s=45.0)
+    assert ServiceConfig().silent_stream_s == StreamLimits().silent_stream_s == 30.0
     for field, value in [("max_streams_per_tenant", 0), ("max_undelivered_bytes", 100),
                          ("max_undelivered_bytes", 1 << 31), ("stream_idle_timeout_s", 0.5),
-                         ("stream_idle_timeout_s", 1e6)]:
+                         ("stream_idle_timeout_s", 1e6), ("silent_stream_s", 0.5), ("silent_stream_s", 1e6)]:
         with pytest.raises(pydantic.ValidationError, match=field):
             ServiceConfig.model_validate({field: value})
     with pytest.raises(ValueError, match="idle_timeout_s"):
         StreamLimits(idle_timeout_s=0)
+    with pytest.raises(ValueError, match="silent_stream_s"):  # (s41: it was not a setting)
+        StreamLimits(silent_stream_s=0)
 
 
 def test_create_server_hands_the_limits_to_the_servicer_and_its_data_plane() -> None:
@@ -83,11 +88,12 @@ def test_create_server_hands_the_limits_to_the_servicer_and_its_data_plane() -> 
 
     async def run() -> None:
         server, _port, _health, inference, monitor = await gateway_server.create_server(
-            None, {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9", stream_limits=StreamLimits(3, 5000, 7.0))
+            None, {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9", stream_limits=StreamLimits(3, 5000, 7.0, silent_stream_s=9.0))
         try:
             assert inference.max_streams_per_tenant == 3
             assert inference.streams.max_undelivered_bytes == 5000
             assert inference.streams.stream_idle_timeout_s == 7.0
+            assert inference.streams.silent_stream_s == 9.0
         finally:
             monitor.stop()
             await server.stop(0)
