@@ -110,16 +110,21 @@ def died_with_owner(name: str, namespace: str) -> bool:
     """Whether Ray records that the newest dead actor named ``name`` in ``namespace`` died because
     its owner died (``ActorDiedErrorContext.OWNER_DIED``): a spill node the scheduler created
     again (``detached`` off) dies with the scheduler's process, through no fault of its own.
-    Reads the GCS actor table (all dead actors: one call per dead spell of a node); a table that
+    Reads the GCS actor table's dead actors of this process's Ray job only (one call per dead
+    spell of a node): a record of an earlier deployment's node of that name (``kvstrata down``
+    kills the scheduler first, so a node it created again dies "owner died") is never read as
+    this one's, and the read's cost does not grow with other jobs' dead actors. A table that
     cannot be read is False (the death counts as the node's own, as before). Blocks: run it off
     the loop."""
     try:
+        import ray
         from ray._private.state import state as ray_state
         from ray.core.generated.common_pb2 import ActorDiedErrorContext
         from ray.core.generated.gcs_pb2 import ActorTableData
 
+        job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
         dead = [ActorTableData.FromString(row)
-                for row in ray_state._connect_and_get_accessor().get_actor_table(None, "DEAD")]
+                for row in ray_state._connect_and_get_accessor().get_actor_table(job, "DEAD")]
         mine = [row for row in dead if row.name == name and row.ray_namespace == namespace]
         if not mine:
             return False

@@ -157,3 +157,54 @@ def test_a_failed_try_after_an_owners_death_backs_off_uncapped() -> None:
     recreator.seen("s0", "serving")
     recreator.seen("s0", "dead")  # its own death: the stored recreation still caps it
     assert not recreator.due("s0") and recreator.next_at("s0") > now[0] + 3500
+
+
+OTHER_JOB = """
+import sys, time, ray
+ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR")
+
+@ray.remote(num_cpus=0)
+class Held:
+    def ping(self):
+        return 1
+
+@ray.remote(num_cpus=0)
+class Owner:
+    def make(self, name):
+        self.held = Held.options(name=name, lifetime=None).remote()
+        return ray.get(self.held.ping.remote())
+
+owner = Owner.remote()
+ray.get(owner.make.remote(sys.argv[3]))
+ray.kill(owner)  # its child, named like a spill node, dies "owner died"
+for _ in range(100):
+    try:
+        ray.get_actor(sys.argv[3], namespace=sys.argv[2])
+    except ValueError:
+        break
+    time.sleep(0.1)
+"""
+
+
+def test_another_jobs_owner_died_record_is_not_this_nodes(ray_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A dead actor record of another Ray job (an earlier ``kvstrata up``: ``kvstrata down``
+    kills the scheduler first, so a node it had created again dies "owner died") is never read
+    as this deployment's node's: ``died_with_owner`` reads this job's dead actors only.
+
+    Regression (s41 review r6): it read every job's dead actors, so the next deployment's watch
+    met the name dead with the earlier one's record newest and created the node again at once,
+    uncounted (and the read's cost grew with every job's dead actors)."""
+    import subprocess
+    import sys
+
+    from services.spill_watch import died_with_owner
+
+    name = f"spill_node_other_job_{time.monotonic_ns()}"
+    namespace = f"{NAMESPACE}_other_job"
+    address = ray.get_runtime_context().gcs_address
+    script = tmp_path / "other_job.py"
+    script.write_text(OTHER_JOB)
+    done = subprocess.run([sys.executable, str(script), address, namespace, name],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not died_with_owner(name, namespace)
