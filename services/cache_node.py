@@ -212,6 +212,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self._wake = threading.Event()
         self.engine.on_ready = self._wake.set  # a passed-over request became schedulable
         self._stopped = False
+        self._steps_ended = False  # the step thread has exited: calls for it are refused (``Admin._refusal``)
         self.failure = ""  # why the step loop died ("" while it runs): the node is unhealthy
         self._fault_injected = False
         self._health_waiters: list[asyncio.Future[None]] = []
@@ -274,6 +275,8 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         except Exception as exc:
             log.exception("cache node %s: the step loop failed", self.node_id)
             self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
+        finally:  # stopped, failed and then stopped, or ended by a BaseException
+            self._refuse_queued()
 
     def _forget_subscriber(self, subscriber: str) -> None:
         """Close the socket to a gone gateway's inbox, unless a stream registered since its

@@ -215,15 +215,51 @@ class Admin:
     def _between_steps(self, call: Callable[[], Any]) -> asyncio.Future[Any]:
         """``call()`` run by the step thread at its next step boundary, as an awaitable.
 
-        Raises (when awaited): RuntimeError: the step loop has failed (``failure``).
+        Raises (when awaited): RuntimeError: the step loop has failed (``failure``), the node
+        is shut down or shutting down, or its step thread ended before it ran ``call``
+        (``_refusal``; a gateway counts the node as not answering: UNAVAILABLE).
         """
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if self.failure:
-            done.set_exception(RuntimeError(self.failure))
-        else:
-            self._admin.append((call, done))
-            self._wake.set()
+        self._queue_for_steps(call, done)
         return asyncio.wrap_future(done)
+
+    def _queue_for_steps(self, call: Callable[[], Any], done: concurrent.futures.Future[Any]) -> None:
+        """Queue ``call`` for the step thread (``done`` gets its answer), or refuse it at once
+        with RuntimeError (``_refusal``) once the node failed or stopped. The check and the
+        append share ``_streams_lock`` with ``shutdown`` setting ``_stopped`` and with the step
+        thread's exit (``_refuse_queued``): a call is either queued before the step thread
+        empties the queue for the last time, or refused. Regression (s41 review of 73ff1b0):
+        only ``failure`` was checked, and an admin call made after ``shutdown`` (or during it)
+        waited for ever."""
+        with self._streams_lock:
+            why = self._refusal()
+            if not why:
+                self._admin.append((call, done))
+        if why:
+            done.set_exception(RuntimeError(why))
+        else:
+            self._wake.set()
+
+    def _refusal(self) -> str:
+        """Why a call for the step thread is refused now ("": it is queued)."""
+        if self.failure:
+            return self.failure
+        if self._stopped:
+            return f"cache node {self.node_id} is shut down; retry on another node"
+        if self._steps_ended:
+            return f"cache node {self.node_id}: its step loop has ended; retry on another node"
+        return ""
+
+    def _refuse_queued(self) -> None:
+        """Step thread, as it exits: refuse every call still queued (``_refusal``), and each
+        later one (``_steps_ended``)."""
+        with self._streams_lock:
+            self._steps_ended = True
+            left = list(self._admin)
+            self._admin.clear()
+        for _, done in left:
+            if not done.done():
+                done.set_exception(RuntimeError(self._refusal()))
 
     def _run_admin(self) -> None:
         """Step thread: run the admin calls queued by ``_between_steps``, then refresh the
@@ -231,18 +267,28 @@ class Admin:
         then asks ``tenant_blocks`` or ``stats`` sees what its call freed. Regression (s41
         new-user walkthrough): the answer went out first and the snapshot was refreshed only
         after the idle wait, so ``GetUsage`` right after ``CloseSession`` still counted the
-        closed session's blocks."""
+        closed session's blocks.
+
+        A call that raises a BaseException (not an Exception) gets RuntimeError naming it, the
+        calls run before it get their answers, and the exception ends the step loop (the calls
+        after it are refused as it exits: ``_refuse_queued``). Regression (s41 review of
+        73ff1b0): the answers held until the refresh were never sent, their callers waited for
+        ever."""
         answers: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-        while self._admin:
-            call, done = self._admin.popleft()
-            try:
-                answers.append((done, call(), None))
-            except Exception as exc:  # noqa: BLE001 - the caller gets it
-                answers.append((done, None, exc))
         try:
+            while self._admin:
+                call, done = self._admin.popleft()
+                try:
+                    answers.append((done, call(), None))
+                except Exception as exc:  # noqa: BLE001 - the caller gets it
+                    answers.append((done, None, exc))
+                except BaseException as exc:
+                    answers.append((done, None, RuntimeError(
+                        f"cache node {self.node_id}: the call ended its step loop: {type(exc).__name__}: {exc}")))
+                    raise
             if answers:
                 self._publish_stats(force=True)
-        finally:  # a failing refresh fails the step loop, never leaves a caller unanswered
+        finally:  # a failing call or refresh fails the step loop, never leaves a caller unanswered
             for done, result, error in answers:
                 if error is None:
                     done.set_result(result)

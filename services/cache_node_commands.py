@@ -131,8 +131,7 @@ class Commands:
             if not isinstance(turns, list) or len(turns) > ABORTED_EARLY_MAX or not all(
                     isinstance(t, str) and 0 < len(t) <= data_plane.MAX_ID_CHARS for t in turns):
                 raise ValueError("close_session: turns must be a list of request ids")
-            self._admin.append((self._closing(msg["session"], msg["tenant"], turns), concurrent.futures.Future()))
-            self._wake.set()
+            self._queue_for_steps(self._closing(msg["session"], msg["tenant"], turns), concurrent.futures.Future())
         else:
             raise ValueError(f"malformed command (op {op!r})")
 
@@ -233,8 +232,7 @@ class Commands:
             self._drop_own_namespace(tenant)
             return len(ids)
 
-        self._admin.append((close_sessions, concurrent.futures.Future()))
-        self._wake.set()
+        self._queue_for_steps(close_sessions, concurrent.futures.Future())  # (refused once stopped or failed)
         if ended:
             log.warning("cache node %s: ended %d requests of deleted tenant %s", self.node_id, ended, tenant)
         return ended
