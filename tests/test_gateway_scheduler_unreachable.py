@@ -68,6 +68,7 @@ class Plane(LoopPlane):
         self.hang = False
         self.asks = 0
         self.holding_asks = 0
+        self.holding_hangs = False  # the node's ``holding`` never answers
         self.a, self.b = (NodeStreams({"n0": None}, {"n0": self.node_address}, self.sched_address,
                                       security=self.keys.security("gateway"), reconcile_s=RECONCILE_S,
                                       silent_stream_s=SILENT_S) for _ in range(2))
@@ -80,6 +81,8 @@ class Plane(LoopPlane):
         """The node's ``holding`` for ``gateway``, as ``NodeStreams._node_holding`` asks its actor."""
         assert node_id == "n0"
         self.holding_asks += 1
+        if self.holding_hangs:
+            await asyncio.Event().wait()
         return await call(self.node.holding, subscriber=gateway.subscriber, request_ids=request_ids)
 
     async def _unreachable(self, request_ids: list[str]) -> list[str]:
@@ -158,16 +161,22 @@ def test_a_silent_stream_its_node_holds_stays_open_and_ends_once_the_node_droppe
         plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
     """The node's step is stuck (no event comes; the node still answers, and a stuck step is
     its health monitor's: ``NodeMonitor``) and the scheduler's query never answers (bounded by
-    ``RECONCILE_ASK_TIMEOUT_S``, a failed run): the node still holds the request, so its
-    stream stays open past the bound, however many runs fail. Once the node drops it without
+    ``RECONCILE_ASK_TIMEOUT_S``, a failed run): while the node's ``holding`` does not answer
+    either (bounded by ``HOLDING_ASK_TIMEOUT_S``) the stream is left open (that node is its
+    health monitor's), and once it answers it still holds the request, so the stream stays
+    open past the bound, however many runs fail. Once the node drops it without
     an event (stopped there as the scheduler stops a request it released untold), the stream
     ends UNAVAILABLE; its blocks go when the step moves again."""
     monkeypatch.setattr(gateway_streams, "RECONCILE_ASK_TIMEOUT_S", 0.1, raising=False)
-    plane.hang = True
+    monkeypatch.setattr(gateway_streams, "HOLDING_ASK_TIMEOUT_S", 0.1, raising=False)
+    plane.hang = plane.holding_hangs = True
     queue = plane.start(plane.a, "t/stuck", max_tokens=600)
     plane.gate.clear()
     assert plane.blocked.wait(30)
     wait_for(lambda: plane.holding_asks >= 3, SILENT_S + 40 * RECONCILE_S)  # silent past the bound, asked
+    assert plane.a.silent_ends == 0 and not plane.a._queues["t/stuck"].buffer.ended  # no answer: left open
+    plane.holding_hangs, asked = False, plane.holding_asks
+    wait_for(lambda: plane.holding_asks >= asked + 3, 40 * RECONCILE_S)  # answered: held
     assert plane.a._reconcile_failures >= SILENT_RUNS and plane.asks >= SILENT_RUNS
     assert plane.a.silent_ends == 0 and not plane.a._queues["t/stuck"].buffer.ended
 
