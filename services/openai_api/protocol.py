@@ -428,8 +428,16 @@ class Guarded:
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes its parser refuses (``msg``, its generic words, is logged
         by uvicorn): OpenAI's error JSON (``_MALFORMED``), then the connection closes. No reply
-        while a response is under way on the connection: it would land inside that one."""
-        if not self._answering():
+        while a response is under way on the connection (it would land inside that one), nor
+        while a whole request before the refused bytes is still being answered: its client
+        pairs the first response with its first request, so a 400 written then answers that
+        valid request as malformed.
+
+        Regression (s41 review r7 of dadad26): httptools parses bytes pipelined behind a request
+        the app still serves; a valid request followed by a malformed one got the 400."""
+        cycle = self.cycle
+        before = cycle is not None and not cycle.response_complete and not cycle.more_body
+        if not (before or self._answering()):
             self.transport.write(_MALFORMED)
         self.transport.close()
 
