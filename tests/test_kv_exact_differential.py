@@ -440,7 +440,7 @@ def test_greedy_outputs_under_random_workloads_equal_each_request_run_alone(real
         problems += _run_example(real_model, ref, docs, SEED + k, str(tmp_path / f"spill{k}"), seen)
     print(dict(seen))
     assert not problems, "\n".join(problems)
-    if "KV_FUZZ_SEED" not in os.environ:  # the default workload reaches each path (``PathProbes``)
+    if "KV_FUZZ_SEED" not in os.environ and not REAL_CLOCK:  # the default workload reaches each path (``PathProbes``)
         missed = [path for path in PROBED if not seen[path]]
         assert not missed, f"the default workload no longer reaches {missed}: {dict(seen)}"
 
@@ -465,3 +465,44 @@ def test_under_lossy_policies_integrity_holds_each_step_and_a_request_repeats_it
     print(dict(seen))
     assert seen["run twice"] > 0 and seen["compared"] > 0
     assert not problems, "\n".join(problems)
+
+
+def test_a_workload_repeats_step_for_step_however_slowly_spill_answers(real_model, ref, docs, tmp_path,
+                                                                     monkeypatch) -> None:
+    """The default workload's engine (kvstrata, host and spill tiers), 20 steps, run twice: the
+    second time each spill get takes 50 ms more and each forward pass 10 ms more, as on a loaded
+    host. Each step hands out the same outputs (ids, tokens, cached tokens, preemptions).
+
+    Regression (s41 review r5): on the real clock with the transfer worker racing the steps,
+    seed 109's workload reached the three ``PROBED`` paths in one run and none in the next."""
+    make = _engine
+    traces: list[list[tuple]] = []
+    for delay_s in (0.0, 0.05):
+        trace: list[tuple] = []
+
+        def slowed(lm: LoadedModel, rng: random.Random, tmp: str, delay_s: float = delay_s,
+                   trace: list[tuple] = trace) -> tuple[LLMEngine, str]:
+            eng, desc = make(lm, rng, tmp)
+            spill, execute, step = eng.tiers.worker.spill, eng.runner.execute, eng.step  # type: ignore[union-attr]
+            get = spill.get
+
+            def slow_get(*args, **kw):  # type: ignore[no-untyped-def]
+                time.sleep(delay_s)
+                return get(*args, **kw)
+
+            def slow_execute(*args, **kw):  # type: ignore[no-untyped-def]
+                time.sleep(delay_s / 5)
+                return execute(*args, **kw)
+
+            def traced(*args, **kw):  # type: ignore[no-untyped-def]
+                outs = step(*args, **kw)
+                trace.append([(o.request_id, o.new_token_ids, o.num_cached_tokens, o.num_preemptions) for o in outs])
+                return outs
+
+            spill.get, eng.runner.execute, eng.step = slow_get, slow_execute, traced  # type: ignore[method-assign]
+            return eng, desc
+
+        monkeypatch.setattr(f"{__name__}._engine", slowed)
+        assert not _run_example(real_model, ref, docs, 109, str(tmp_path / f"spill{delay_s}"), Counter(), steps=(20, 21))
+        traces.append(trace)
+    assert traces[0] == traces[1]
