@@ -216,5 +216,7 @@ def test_a_long_prefill_stays_open_and_finishes_while_the_scheduler_stays_unreac
 
     events = plane.run(go(), 120)
     assert [e["type"] for e in events][-1] == "finished", events[-1]
-    assert plane.a.silent_ends == 0 and plane.a._reconcile_failures >= SILENT_RUNS
-    assert plane.holding_asks >= 1  # it was silent past the bound and asked about
+    # asked about: silent past the bound with ``SILENT_RUNS`` runs failed (``end_silent`` runs
+    # only then). Not ``_reconcile_failures`` now: with its stream ended the next run asks the
+    # scheduler nothing, succeeds and zeroes it (s41 review r9: failed under load, 0 >= 3)
+    assert plane.a.silent_ends == 0 and plane.holding_asks >= 1
