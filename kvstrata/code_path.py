@@ -30,12 +30,14 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import ray
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
 
 PACKAGES = ("kvstrata", "services", "cache_node", "tenants")
@@ -47,6 +49,11 @@ CODE_ROOT = str(Path(__file__).resolve().parent.parent)
 repository for an editable install, site-packages for a wheel's)."""
 
 SETUP_HOOK = f"{__name__}.keep_own_imports"
+
+NEXT_HOOK_ENV_VAR = "KVSTRATA_NEXT_SETUP_HOOK"
+"""The Ray job's own worker setup hook (its ``worker_process_setup_hook``, as Ray's hook variable
+holds it: a module path or an exported function's key), which ``keep_own_imports`` runs after
+its own: an actor has one hook variable, and kvstrata's replaces the job's there."""
 
 
 class OwnPathFinder(importlib.abc.MetaPathFinder):
@@ -76,6 +83,7 @@ def keep_own_imports() -> None:
         ImportError: a package resolved outside ``CODE_ROOT`` (a same-named one earlier on the
             worker's own path, e.g. in ``PYTHONPATH``): Ray ends the worker with this error
             rather than run foreign code as kvstrata's.
+        RuntimeError: the job's own setup hook (``NEXT_HOOK_ENV_VAR``) failed; Ray's message.
     """
     for name in PACKAGES:
         module = importlib.import_module(name)
@@ -85,11 +93,26 @@ def keep_own_imports() -> None:
             raise ImportError(f"kvstrata package {name!r} resolved to {where}, not under {CODE_ROOT}")
     if not any(isinstance(finder, OwnPathFinder) for finder in sys.meta_path):
         sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder), OwnPathFinder(sys.path))
+    following = os.environ.get(NEXT_HOOK_ENV_VAR)
+    if following:  # the job's own hook (NEXT_HOOK_ENV_VAR), run as Ray would have
+        from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
+
+        error = load_and_execute_setup_hook(following)
+        if error is not None:
+            raise RuntimeError(error)
 
 
 def actor_runtime_env(env_vars: dict[str, str] | None = None) -> dict[str, Any]:
     """The ``runtime_env`` every kvstrata actor is created with: ``env_vars`` (the caller's) and
     the setup hook ``keep_own_imports``, set through Ray's hook variable, which the worker
     reads at its start (the ``worker_process_setup_hook`` field itself is honoured only in
-    ``ray.init``'s runtime_env, which the launcher does not own: an actor's is ignored)."""
-    return {"env_vars": {**(env_vars or {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}}
+    ``ray.init``'s runtime_env, which the launcher does not own: an actor's is ignored). A
+    hook the Ray job set (``ray.init(runtime_env={"worker_process_setup_hook": ...})``) would be
+    replaced: it is kept in ``NEXT_HOOK_ENV_VAR`` and run after kvstrata's."""
+    env = {**(env_vars or {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}
+    if ray.is_initialized():  # the job's (or, in an actor, the actor's) runtime_env
+        current = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+        job_hook = current.get(NEXT_HOOK_ENV_VAR) or current.get(WORKER_PROCESS_SETUP_HOOK_ENV_VAR)
+        if job_hook and job_hook != SETUP_HOOK:
+            env[NEXT_HOOK_ENV_VAR] = job_hook
+    return {"env_vars": env}

@@ -119,3 +119,41 @@ def test_hook_refuses_a_package_outside_the_code_root(tmp_path: Path) -> None:
     assert _python(code, tmp_path, cwd=tmp_path / "tenants") == [
         f"refused kvstrata package 'tenants' resolved to {tmp_path / 'tenants' / '__init__.py'}, not under {CODE_ROOT}",
         "False"]
+
+
+HOOK_DRIVER = """\
+import os, sys
+import ray
+from services.spill_node import create_spill_node
+from tests.test_spill_store import BLOCK, DISK, FMT
+
+MARKS = sys.argv[3]
+
+def job_hook():  # the job's own worker setup hook, exported by value; 'kv-' in a kvstrata actor
+    kvstrata = os.environ.get("__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR") == "kvstrata.code_path.keep_own_imports"
+    open(os.path.join(MARKS, ("kv-" if kvstrata else "plain-") + str(os.getpid())), "w").close()
+
+ray.init(address=sys.argv[1], namespace="kvstrata-test-cwd", log_to_driver=False,
+         runtime_env={"worker_process_setup_hook": job_hook})
+node = create_spill_node("job-hook-spill", sys.argv[2], FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK, max_restarts=0)
+try:
+    ray.get(node.ready.remote(), timeout=120)
+    print("spill node ready", flush=True)
+finally:
+    ray.kill(node, no_restart=True)
+"""
+
+
+def test_the_jobs_own_setup_hook_still_runs_in_kvstrata_actors(ray_cluster, tmp_path: Path) -> None:
+    """A Ray job's ``worker_process_setup_hook`` (logging, tracing ...) runs in kvstrata's actors
+    too, after kvstrata's own (review r8: actor_runtime_env's hook variable replaced the job's,
+    so it silently never ran there)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "driver.py").write_text(HOOK_DRIVER)
+    done = subprocess.run([sys.executable, str(tmp_path / "driver.py"), ray_cluster.address, str(tmp_path / "spill"),
+                           str(marks)], check=False, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0 and "spill node ready" in done.stdout, out
+    assert [p.name for p in marks.glob("kv-*")], (sorted(p.name for p in marks.iterdir()), out)
