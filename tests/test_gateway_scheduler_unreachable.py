@@ -179,6 +179,12 @@ def test_a_silent_stream_its_node_holds_stays_open_and_ends_once_the_node_droppe
     wait_for(lambda: plane.holding_asks >= asked + 3, 40 * RECONCILE_S)  # answered: held
     assert plane.a._reconcile_failures >= SILENT_RUNS and plane.asks >= SILENT_RUNS
     assert plane.a.silent_ends == 0 and not plane.a._queues["t/stuck"].buffer.ended
+    # held for ``a``'s inbox only: another gateway (``b``) asking learns nothing of it
+    assert plane.node.holding(subscriber=plane.b.subscriber, request_ids=["t/stuck"]) == []
+    assert plane.node.holding(subscriber=plane.a.subscriber, request_ids=["t/stuck", "t/none"]) == ["t/stuck"]
+    for bad in ("t/stuck", [""], ["t/" + "x" * 1100], [3]):  # not a list, an empty, long or non-str id
+        with pytest.raises(ValueError, match="holding"):
+            plane.node.holding(subscriber=plane.a.subscriber, request_ids=bad)
 
     assert plane.run(call(plane.node.abort, "t/stuck"))  # dropped on the node: no event sent
     event = plane.end_event(queue, 20.0)
