@@ -38,7 +38,12 @@ from types import ModuleType
 from typing import Any
 
 import ray
-from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+from ray._private import ray_constants
+
+WORKER_PROCESS_SETUP_HOOK_ENV_VAR: str = getattr(
+    ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
+"""Ray's (private) variable naming a worker's setup hook; a Ray without the constant gets its
+2.x name, so importing the launcher never fails on it (review r8)."""
 
 PACKAGES = ("kvstrata", "services", "cache_node", "tenants")
 """kvstrata's top-level packages that its actors import (``cli``, ``workloads`` and ``bench``
