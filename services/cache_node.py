@@ -272,7 +272,10 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
     def _run(self) -> None:
         try:
             self._steps()
-        except Exception as exc:
+        except BaseException as exc:  # any end but a stop fails the node (health)
+            # Regression (s41 review r9): a BaseException (a queued call's) ended the loop with
+            # ``failure`` empty: ``health`` said healthy while every call was refused and routed
+            # requests never started.
             log.exception("cache node %s: the step loop failed", self.node_id)
             self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
         finally:  # stopped, failed and then stopped, or ended by a BaseException

@@ -13,6 +13,7 @@ A real plain ``CacheNode`` (SmolLM2, no Ray).
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -59,7 +60,8 @@ def test_a_call_raising_a_base_exception_strands_no_caller() -> None:
     """Batch: gate (holds the step thread until the rest are queued), a close of an unknown
     session (answered -1), a call raising StepKiller (RuntimeError naming it), an
     ``integrity_stats`` queued after it (refused as the step loop ends), then a close asked
-    once it ended (refused at once). Before: the first close and ``integrity_stats`` timed out."""
+    once it ended (refused at once); the node is unhealthy then, naming it. Before: the first close and
+    ``integrity_stats`` timed out."""
     node = _node()
     started, release = threading.Event(), threading.Event()
 
@@ -86,11 +88,16 @@ def test_a_call_raising_a_base_exception_strands_no_caller() -> None:
 
     try:
         answers = asyncio.run(run())
+        health = asyncio.run(node.health())
     finally:
         node.shutdown()
-    assert answers == [-1, "RuntimeError: cache node n0: the call ended its step loop: StepKiller: queued call",
-                       "RuntimeError: cache node n0: its step loop has ended; retry on another node",
-                       "RuntimeError: cache node n0: its step loop has ended; retry on another node"]
+    failed = re.compile(r"RuntimeError: error id [0-9a-f]{12}: cache node n0: step loop failed: StepKiller: "
+                        r"queued call")
+    assert answers[:2] == [-1, "RuntimeError: cache node n0: the call ended its step loop: StepKiller: queued call"]
+    assert all(failed.fullmatch(a) for a in answers[2:]), answers[2:]
+    # Regression (s41 review r9): the loop ended so left ``failure`` empty and ``health`` healthy
+    # (the gateways' monitors kept routing requests that never started).
+    assert not health["healthy"] and "StepKiller" in health["failure"], health
 
 
 def test_a_failed_node_refuses_calls_before_and_after_its_shutdown() -> None:
