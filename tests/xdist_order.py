@@ -60,7 +60,7 @@ KNOWN_SECONDS: dict[str, float] = {
     # least 4 s. Only the order of the work units depends on them: a stale figure costs
     # balance, never a test.
     "test_kernels_paged_attention": 54, "test_gpu_check": 44, "test_structured_output_engine": 44,
-    "test_services_restart": 44, "test_kv_exact_differential": 40, "test_services_integration": 38,
+    "test_services_restart": 44, "test_kv_exact_differential": 55, "test_services_integration": 38,
     "test_deepresearch_e2e": 35, "test_grammar_compile_limits": 33, "test_preemption_liveness": 33,
     "test_admin_flush_spill_silent": 32, "test_node_failure": 32, "test_engine_device": 31,
     "test_engine_soak": 28, "test_session_stop_race": 28, "test_gateway_streams_pause": 27,
@@ -110,6 +110,15 @@ KNOWN_SECONDS: dict[str, float] = {
     "test_spill_drop_ray": 4, "test_slo_floors": 4, "test_key_watch_ended": 4,
     "test_child_close_races": 4, "test_logit_bias_served": 4,
     "test_openai_api_https_connections": 4, "test_metrics_scrape_cache": 4,
+    # files added or grown in session 41 (its candidate CI on 6c5375c, quiet part of the run;
+    # test_workload_register_interrupt from its own runs: its CI run failed, running to the end)
+    "test_gateway_scheduler_unreachable": 23, "test_workload_register_interrupt": 20, "test_code_path": 18,
+    "test_gateway_served_forget": 16, "test_store_failure_ray": 13, "test_spill_owner_died": 12,
+    "test_sampler_logit_bias": 10, "test_openai_api_fuzz": 10, "test_xdist_order": 8,
+    "test_openai_api_choices_admission": 8, "test_kill_gone_stopped": 7, "test_scheduler_silent_in_flight": 6,
+    "test_cache_node_stopped_calls": 6, "test_openai_api_extensions": 5, "test_peer_outbox": 5,
+    "test_gateway_event_turns": 5, "test_peer_calls_by_keyword": 5, "test_scheduler_call_deadlines": 5,
+    "test_store_failure_answers": 5, "test_openai_api_pipelined_refusal": 4,
 }
 
 
