@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -161,6 +162,21 @@ class _Held:
     buffers: dict[str | None, StreamBuffer] = field(default_factory=dict)
     lost: set[str | None] = field(default_factory=set)
     behind: set[str | None] = field(default_factory=set)
+
+
+async def _ids_answered(ask: Callable[[list[str]], Awaitable[Any]], ids: list[str], batch: int, timeout_s: float,
+                        who: str) -> set[str]:
+    """The request ids ``ask`` answers with when asked about ``ids``, ``batch`` ids a call
+    (``reconcile``'s scheduler query, ``end_silent``'s node query). Raises whatever ``ask``
+    raises, asyncio.TimeoutError for a call not answered within ``timeout_s``, and TypeError
+    (naming ``who``) for an answer that is not a list; non-string ids in an answer are dropped."""
+    answered: set[str] = set()
+    for i in range(0, len(ids), batch):
+        answer = await asyncio.wait_for(ask(ids[i:i + batch]), timeout_s)
+        if not isinstance(answer, (list, tuple)):
+            raise TypeError(f"{who} answered a {type(answer).__name__}, not a list")
+        answered.update(rid for rid in answer if isinstance(rid, str))
+    return answered
 
 
 class NodeStreams:
@@ -711,12 +727,8 @@ class NodeStreams:
         if self.ask_admitted is None:
             return []
         asked = {rid: entry for rid, entry in self._queues.items() if entry.node_id and not _ended(entry)}
-        ids, admitted = list(asked), set()
-        for i in range(0, len(ids), RECONCILE_BATCH):
-            answer = await asyncio.wait_for(self.ask_admitted(ids[i:i + RECONCILE_BATCH]), RECONCILE_ASK_TIMEOUT_S)
-            if not isinstance(answer, (list, tuple)):
-                raise TypeError(f"the scheduler's admitted_from answered a {type(answer).__name__}, not a list")
-            admitted.update(rid for rid in answer if isinstance(rid, str))
+        admitted = await _ids_answered(self.ask_admitted, list(asked), RECONCILE_BATCH, RECONCILE_ASK_TIMEOUT_S,
+                                       "the scheduler's admitted_from")
         ended = []
         for rid, entry in asked.items():
             if rid in admitted:
@@ -808,14 +820,8 @@ class NodeStreams:
         (``ask_holding``, ``HOLDING_BATCH`` ids a call). Raises what ``ask_holding`` raises,
         asyncio.TimeoutError for a call not answered within ``HOLDING_ASK_TIMEOUT_S``, and
         TypeError for an answer that is not a list of ids."""
-        held: set[str] = set()
-        for i in range(0, len(request_ids), HOLDING_BATCH):
-            answer = await asyncio.wait_for(self.ask_holding(node_id, request_ids[i:i + HOLDING_BATCH]),
-                                            HOLDING_ASK_TIMEOUT_S)
-            if not isinstance(answer, (list, tuple)):
-                raise TypeError(f"cache node {node_id}'s holding answered a {type(answer).__name__}, not a list")
-            held.update(rid for rid in answer if isinstance(rid, str))
-        return held
+        return await _ids_answered(functools.partial(self.ask_holding, node_id), request_ids, HOLDING_BATCH,
+                                   HOLDING_ASK_TIMEOUT_S, f"cache node {node_id}'s holding")
 
     async def _node_holding(self, node_id: str, request_ids: list[str]) -> Any:
         """``node_id``'s ``CacheNode.holding`` for this gateway's event inbox (``ask_holding``'s
